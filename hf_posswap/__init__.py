@@ -1,0 +1,62 @@
+"""hf_posswap: swap the positional mechanism inside Hugging Face transformers models.
+
+>>> import hf_posswap as ps
+>>> ps.swap(model, "alibi")                                  # doctest: +SKIP
+>>> ps.swap(model, ps.RopeConfig(rope_theta=10_000.0), replace=True)  # doctest: +SKIP
+>>> print(ps.describe(model))                                # doctest: +SKIP
+"""
+
+from . import attention as _attention  # noqa: F401  (registers posswap_eager / posswap_sdpa)
+from .describe import PositionDescription, describe
+from .errors import (
+    AlreadySwappedError,
+    IncompatibleAttentionError,
+    InvalidConfigError,
+    InvalidOptionError,
+    NotSwappedError,
+    PosSwapError,
+    UnknownSchemeError,
+    UnsupportedFamilyError,
+)
+from .families import FamilyAdapter, register_family
+from .schemes import (
+    AlibiConfig,
+    LearnedConfig,
+    NoPEConfig,
+    RopeConfig,
+    SchemeConfig,
+    SinusoidalConfig,
+    T5BiasConfig,
+    register_scheme,
+)
+from .swap import available_schemes, supported_families, swap, unswap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlibiConfig",
+    "AlreadySwappedError",
+    "FamilyAdapter",
+    "IncompatibleAttentionError",
+    "InvalidConfigError",
+    "InvalidOptionError",
+    "LearnedConfig",
+    "NoPEConfig",
+    "NotSwappedError",
+    "PosSwapError",
+    "PositionDescription",
+    "RopeConfig",
+    "SchemeConfig",
+    "SinusoidalConfig",
+    "T5BiasConfig",
+    "UnknownSchemeError",
+    "UnsupportedFamilyError",
+    "__version__",
+    "available_schemes",
+    "describe",
+    "register_family",
+    "register_scheme",
+    "supported_families",
+    "swap",
+    "unswap",
+]

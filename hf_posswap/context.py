@@ -1,0 +1,88 @@
+"""The per-forward position context and the forward pre-hook that provides it.
+
+The hook sits on the base model (``GPT2Model``, ``BertModel``, ``LlamaModel``). Before each forward it reads the
+query offset from the KV cache, applies the family's input fix-ups, adds absolute vectors for families without
+a table slot, and passes a :class:`PositionContext` down to the attention function as a keyword argument
+(transformers forwards unknown kwargs from the base model to every attention call). The position module is
+looked up on the base model by attribute at call time, so peft's ``modules_to_save`` copies are the ones used.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .families.base import FamilyAdapter, default_position_ids
+
+CONTEXT_KWARG = "posswap_context"
+POSITIONS_ATTR = "posswap_positions"
+
+
+@dataclass
+class PositionContext:
+    """What the attention function needs to place queries and keys.
+
+    ``query_offset`` is the number of tokens in the cache before this forward. Keys are indexed so that relative
+    distances are index differences: a left-padded row then sees the same distances as the row alone.
+    """
+
+    positions: nn.Module | None
+    query_offset: int
+    is_self_attention: Callable[[nn.Module], bool]
+
+    def query_key_positions(self, q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """query positions [q] and key positions [kv].
+
+        Static caches hand attention the whole buffer (kv_len >= offset + q_len): buffer index = position.
+        Dynamic caches (possibly sliding) hold the latest kv_len tokens, ending at the current one.
+        """
+        query_pos = torch.arange(q_len, device=device) + self.query_offset
+        key_start = max(self.query_offset + q_len - kv_len, 0)
+        key_pos = torch.arange(kv_len, device=device) + key_start
+        return query_pos, key_pos
+
+
+def _cache_length(cache: Any) -> int:
+    if cache is None or not hasattr(cache, "get_seq_length"):
+        return 0
+    return int(cache.get_seq_length())
+
+
+class PositionHook:
+    """Forward pre-hook (``with_kwargs=True``) installed on the base model by ``swap``."""
+
+    def __init__(self, adapter: FamilyAdapter, adds_absolute: bool, feeds_attention: bool) -> None:
+        self.adapter = adapter
+        self.adds_absolute = adds_absolute
+        self.feeds_attention = feeds_attention
+
+    def __call__(self, base: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        kwargs = dict(kwargs)
+        if args:  # move positional arguments to keywords so they can be read and replaced
+            names = list(inspect.signature(base.forward).parameters)
+            kwargs.update(zip(names, args))
+        query_offset = _cache_length(kwargs.get("past_key_values"))
+        self.adapter.prepare_inputs(base, kwargs, query_offset)
+        positions = getattr(base, POSITIONS_ATTR, None)
+        if self.adds_absolute and positions is not None:
+            self._add_absolute(base, positions, kwargs, query_offset)
+        if self.feeds_attention:
+            kwargs[CONTEXT_KWARG] = PositionContext(positions, query_offset, self.adapter.is_self_attention)
+        return (), kwargs
+
+    @staticmethod
+    def _add_absolute(base: nn.Module, positions: nn.Module, kwargs: dict[str, Any], query_offset: int) -> None:
+        """inputs_embeds [B, L, hidden] += positions(position_ids) for families without an absolute table slot."""
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None:
+            embeds = base.get_input_embeddings()(kwargs["input_ids"])
+            kwargs["input_ids"] = None
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = default_position_ids(embeds.shape[0], embeds.shape[1], query_offset, embeds.device)
+        kwargs["inputs_embeds"] = embeds + positions(position_ids).to(embeds.dtype)

@@ -1,0 +1,72 @@
+"""``describe(model)``: which position scheme a model carries, with which settings, where, and what is new."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .families.base import FAMILY_REGISTRY
+from .swap import swap_state
+
+
+@dataclass
+class PositionDescription:
+    """Structured answer of :func:`describe`; ``str()`` renders it for people."""
+
+    model_class: str
+    family: str | None
+    scheme: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    native: bool = True
+    attn_implementation: str | None = None
+    where: list[str] = field(default_factory=list)
+    new_parameters: list[tuple[str, tuple[int, ...], bool]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"{self.model_class} (family: {self.family or 'unsupported'})", f"  scheme: {self.scheme}"]
+        if self.settings:
+            settings = ", ".join(f"{key}={value!r}" for key, value in self.settings.items())
+            lines.append(f"  settings: {settings}")
+        lines.append(f"  expressed natively by transformers: {'yes' if self.native else 'no'}")
+        if self.attn_implementation:
+            lines.append(f"  attention implementation: {self.attn_implementation}")
+        if self.where:
+            lines.append("  changes:")
+            lines += [f"    - {item}" for item in self.where]
+        if self.new_parameters:
+            lines.append("  new parameters:")
+            lines += [
+                f"    - {name} {list(shape)}{'' if trainable else ' (frozen)'}"
+                for name, shape, trainable in self.new_parameters
+            ]
+        elif self.scheme != "native":
+            lines.append("  new parameters: none")
+        return "\n".join(lines)
+
+
+def describe(model: nn.Module) -> PositionDescription:
+    """Describe the position mechanism of ``model`` (swapped or not)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    adapter = FAMILY_REGISTRY.get(model_type) if model_type in FAMILY_REGISTRY else None
+    attn = getattr(config, "_attn_implementation", None)
+    state = swap_state(model)
+    if state is None:
+        native = adapter.describe_native(model) if adapter is not None else "unknown (unsupported family)"
+        return PositionDescription(
+            type(model).__name__, adapter.name if adapter else None, "native", {"mechanism": native},
+            True, attn,
+        )
+    settings = {key: value for key, value in state.config.to_dict().items() if key != "scheme"}
+    return PositionDescription(
+        model_class=type(model).__name__,
+        family=state.family,
+        scheme=state.config.name,
+        settings=settings,
+        native=state.native,
+        attn_implementation=attn,
+        where=[edit.where for edit in state.edits if edit.where],
+        new_parameters=list(state.new_parameters),
+    )

@@ -1,0 +1,107 @@
+"""Reversible edits to a model, applied as one transaction.
+
+A swap is a list of edits (replace a module, set a config value, switch the attention implementation, add a
+forward pre-hook). Either all of them apply or none does: on failure the applied ones are reverted in reverse
+order, so a failed swap leaves the model as it was. ``unswap`` reverts them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+_MISSING = object()
+
+
+class Edit:
+    """One reversible change. ``where`` says in words what it changes (shown by ``describe``)."""
+
+    where: str = ""
+
+    def apply(self) -> None:
+        raise NotImplementedError
+
+    def revert(self) -> None:
+        raise NotImplementedError
+
+
+class SetAttribute(Edit):
+    """``setattr(owner, attr, value)``; the value may be built lazily by ``make`` at apply time (after earlier
+    edits, e.g. a rotary module built from an edited config). The built value is kept, so re-applying after a
+    revert installs the very same object."""
+
+    def __init__(self, owner: Any, attr: str, make: Callable[[], Any], where: str) -> None:
+        self.owner, self.attr, self._make, self.where = owner, attr, make, where
+        self._value: Any = _MISSING
+        self._old: Any = _MISSING
+
+    @property
+    def value(self) -> Any:
+        return None if self._value is _MISSING else self._value
+
+    def apply(self) -> None:
+        self._old = getattr(self.owner, self.attr, _MISSING)
+        if self._value is _MISSING:
+            self._value = self._make()
+        setattr(self.owner, self.attr, self._value)
+
+    def revert(self) -> None:
+        if self._old is _MISSING:
+            delattr(self.owner, self.attr)
+        else:
+            setattr(self.owner, self.attr, self._old)
+
+
+class SetAttentionImplementation(Edit):
+    """Switch ``model.set_attn_implementation`` to a registered implementation, and back."""
+
+    def __init__(self, model: Any, name: str) -> None:
+        self.model, self.name = model, name
+        self._old: str | None = None
+        self.where = ""
+
+    def apply(self) -> None:
+        self._old = self.model.config._attn_implementation
+        self.where = f"attention implementation: {self._old} -> {self.name}"
+        self.model.set_attn_implementation(self.name)
+
+    def revert(self) -> None:
+        if self._old is not None:
+            self.model.set_attn_implementation(self._old)
+
+
+class AddForwardPreHook(Edit):
+    """``module.register_forward_pre_hook(hook, with_kwargs=True)``, removed on revert."""
+
+    def __init__(self, module: nn.Module, hook: Callable[..., Any], where: str) -> None:
+        self.module, self.hook, self.where = module, hook, where
+        self._handle: RemovableHandle | None = None
+
+    def apply(self) -> None:
+        self._handle = self.module.register_forward_pre_hook(self.hook, with_kwargs=True)
+
+    def revert(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def apply_all(edits: Sequence[Edit]) -> None:
+    """Apply ``edits`` in order; if one fails, revert those already applied and re-raise."""
+    applied: list[Edit] = []
+    try:
+        for edit in edits:
+            edit.apply()
+            applied.append(edit)
+    except BaseException:
+        revert_all(applied)
+        raise
+
+
+def revert_all(edits: Sequence[Edit]) -> None:
+    """Revert ``edits`` in reverse order."""
+    for edit in reversed(edits):
+        edit.revert()

@@ -1,0 +1,148 @@
+"""Family adapters: *where* a position scheme goes inside one model architecture.
+
+An adapter knows, for one family: where the absolute table sits, where native rotary is computed (if anywhere),
+which attention modules are self-attention, head counts and dims, and input fix-ups. It holds no scheme logic.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..edits import Edit, SetAttribute
+from ..errors import UnsupportedFamilyError
+from ..registry import Registry
+from ..schemes.base import ModelSpec, NoPositions
+from ..schemes.rope import RopeConfig
+
+
+class FamilyAdapter:
+    """Base adapter; subclasses set ``name``, ``model_types`` and override the slots they have."""
+
+    name: ClassVar[str] = ""
+    model_types: ClassVar[tuple[str, ...]] = ()
+    native_positions: ClassVar[str] = ""
+
+    # --- structure --------------------------------------------------------------------------------------------
+    def base_model(self, model: nn.Module) -> nn.Module:
+        """The transformer body (``GPT2Model``, ``BertModel``, ``LlamaModel``) whose forward gets the position hook."""
+        return getattr(model, "base_model", model)
+
+    def absolute_slot(self, base: nn.Module) -> tuple[nn.Module, str] | None:
+        """(parent, attribute) of the learned absolute table, or ``None`` when the family has none."""
+        return None
+
+    def rotary_slot(self, base: nn.Module) -> tuple[nn.Module, str] | None:
+        """(parent, attribute) of the native rotary module, or ``None`` when the family has none."""
+        return None
+
+    def is_self_attention(self, module: nn.Module) -> bool:
+        """Whether an attention module is self-attention (schemes never touch cross-attention)."""
+        return not getattr(module, "is_cross_attention", False)
+
+    def spec(self, model: nn.Module) -> ModelSpec:
+        raise NotImplementedError
+
+    # --- scheme support ----------------------------------------------------------------------------------------
+    def native_rope_edits(self, model: nn.Module, config: RopeConfig) -> list[Edit] | None:
+        """Edits that express ``config`` through the model's own rotary machinery, or ``None`` when the family
+        cannot (the scheme is then applied inside attention)."""
+        return None
+
+    def removal_edits(self, model: nn.Module, spec: ModelSpec, keep_absolute_slot: bool = False) -> list[Edit]:
+        """Edits that silence the family's native position mechanism: the absolute table returns zeros and the
+        rotary module returns cos = 1, sin = 0. Both are exact no-ops. ``keep_absolute_slot`` leaves the table
+        slot alone (an absolute scheme is about to fill it)."""
+        base = self.base_model(model)
+        edits: list[Edit] = []
+        if not keep_absolute_slot and (slot := self.absolute_slot(base)) is not None:
+            parent, attr = slot
+            edits.append(
+                SetAttribute(
+                    parent,
+                    attr,
+                    lambda: NoPositions(spec.hidden_size).to(device=spec.device, dtype=spec.dtype),
+                    where=f"{attr} <- NoPositions (native absolute table removed)",
+                )
+            )
+        if (slot := self.rotary_slot(base)) is not None:
+            parent, attr = slot
+            edits.append(
+                SetAttribute(
+                    parent,
+                    attr,
+                    lambda: IdentityRotary(spec.head_dim),
+                    where=f"{attr} <- IdentityRotary (native RoPE removed)",
+                )
+            )
+        return edits
+
+    def prepare_inputs(self, base: nn.Module, kwargs: dict[str, Any], query_offset: int) -> None:
+        """Family fix-ups to the base model's forward kwargs, run by the position hook before every forward."""
+
+    def describe_native(self, model: nn.Module) -> str:
+        return self.native_positions
+
+
+class IdentityRotary(nn.Module):
+    """Stands in for a LLaMA-like rotary module: cos = 1 and sin = 0, so ``apply_rotary_pos_emb`` returns q, k
+    unchanged (bit for bit: x·1 + rotate_half(x)·0 = x)."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # position_ids [B, L] -> cos, sin [B, L, head_dim]
+        shape = (*position_ids.shape, self.head_dim)
+        cos = torch.ones(shape, dtype=x.dtype, device=x.device)
+        return cos, torch.zeros_like(cos)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}"
+
+
+FAMILY_REGISTRY: Registry[FamilyAdapter] = Registry(
+    "model family", UnsupportedFamilyError, "List them with hf_posswap.supported_families()."
+)
+
+
+def register_family(cls: type[FamilyAdapter]) -> type[FamilyAdapter]:
+    """Class decorator: register one adapter instance under each of its ``model_types``."""
+    adapter = cls()
+    for model_type in cls.model_types:
+        FAMILY_REGISTRY.register(model_type)(adapter)
+    return cls
+
+
+def get_family(model: nn.Module) -> FamilyAdapter:
+    """The adapter for ``model.config.model_type``, or an error naming the type and listing supported ones."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type is None:
+        raise UnsupportedFamilyError(
+            f"{type(model).__name__} has no `config.model_type`; hf_posswap works on Hugging Face transformers "
+            f"models. Supported families: {', '.join(FAMILY_REGISTRY.names())}."
+        )
+    if model_type not in FAMILY_REGISTRY:
+        raise UnsupportedFamilyError(
+            f"Model family '{model_type}' ({type(model).__name__}) is not supported. Supported families: "
+            f"{', '.join(FAMILY_REGISTRY.names())}. A LLaMA-like decoder can be added by registering a "
+            "FamilyAdapter for its model_type."
+        )
+    return FAMILY_REGISTRY.get(model_type)
+
+
+def parameter_dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """dtype and device of a module's first floating-point parameter."""
+    for param in module.parameters():
+        if param.is_floating_point():
+            return param.dtype, param.device
+    return torch.get_default_dtype(), torch.device("cpu")
+
+
+def default_position_ids(batch_size: int, length: int, query_offset: int, device: torch.device) -> torch.Tensor:
+    """[1, L] positions ``offset .. offset+L-1`` (what the models use when no position ids are passed)."""
+    return (torch.arange(length, device=device) + query_offset).unsqueeze(0)

@@ -1,0 +1,51 @@
+"""Position schemes. Importing this package registers every built-in scheme, in this order."""
+
+# isort: off
+from .learned import LearnedConfig, LearnedPositions
+from .sinusoidal import SinusoidalConfig, SinusoidalPositions, sinusoidal_table
+from .nope import NoPEConfig
+from .rope import RopeConfig, RotaryEmbedding, apply_rotary, rotate_half
+from .alibi import AlibiBias, AlibiConfig, alibi_slopes
+from .t5 import T5BiasConfig, T5RelativeBias, relative_position_bucket
+
+# isort: on
+
+from .base import (
+    SCHEME_REGISTRY,
+    AbsolutePositions,
+    BiasPositions,
+    ModelSpec,
+    NoPositions,
+    RotaryPositions,
+    SchemeConfig,
+    register_scheme,
+    scheme_config_from_dict,
+)
+
+__all__ = [
+    "SCHEME_REGISTRY",
+    "AbsolutePositions",
+    "AlibiBias",
+    "AlibiConfig",
+    "BiasPositions",
+    "LearnedConfig",
+    "LearnedPositions",
+    "ModelSpec",
+    "NoPEConfig",
+    "NoPositions",
+    "RopeConfig",
+    "RotaryEmbedding",
+    "RotaryPositions",
+    "SchemeConfig",
+    "SinusoidalConfig",
+    "SinusoidalPositions",
+    "T5BiasConfig",
+    "T5RelativeBias",
+    "alibi_slopes",
+    "apply_rotary",
+    "register_scheme",
+    "relative_position_bucket",
+    "rotate_half",
+    "scheme_config_from_dict",
+    "sinusoidal_table",
+]

@@ -1,0 +1,76 @@
+"""ALiBi: attention with linear biases (Press et al. 2022, "Train Short, Test Long", arXiv:2108.12409)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .base import BiasPositions, ModelSpec, SchemeConfig, register_scheme, require_bool
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """Head slopes m_h of Press et al. 2022, §3 and their reference code.
+
+    For n a power of two: the geometric sequence starting at and with ratio 2^(-8/n). Otherwise: the slopes for the
+    closest smaller power of two p, followed by every other slope of the 2p sequence until n slopes exist.
+    Returns [num_heads] float32.
+    """
+
+    def power_of_two_slopes(n: int) -> list[float]:
+        ratio = 2.0 ** (-8.0 / n)
+        return [ratio ** (i + 1) for i in range(n)]
+
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = power_of_two_slopes(closest)
+    if closest != num_heads:
+        slopes += power_of_two_slopes(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class AlibiBias(BiasPositions):
+    """bias[h, i, j] = -m_h * (i - j) for causal attention (keys at or before the query), and the symmetric
+    -m_h * |i - j| for bidirectional (encoder) attention."""
+
+    def __init__(self, slopes: torch.Tensor, trainable: bool) -> None:
+        super().__init__()
+        if trainable:
+            self.slopes = nn.Parameter(slopes)
+        else:
+            self.register_buffer("slopes", slopes)
+
+    def bias(self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool) -> torch.Tensor:
+        # query_pos [q], key_pos [kv] -> [1, H, q, kv]
+        distance = (query_pos[:, None] - key_pos[None, :]).to(torch.float32)  # [q, kv], i - j
+        if not causal:
+            distance = distance.abs()
+        return -(self.slopes.to(torch.float32)[:, None, None] * distance[None]).unsqueeze(0)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.slopes.shape[0]}, trainable={isinstance(self.slopes, nn.Parameter)}"
+
+
+@register_scheme
+@dataclass
+class AlibiConfig(SchemeConfig):
+    """Linear biases on attention logits, one slope per head; no position vectors anywhere.
+
+    Causal models get the paper's causal form; encoders the symmetric ``-m·|i-j|`` form.
+
+    Args:
+        trainable_slopes: make the slopes a trainable parameter (the paper keeps them fixed).
+    """
+
+    name = "alibi"
+    kind = "bias"
+    paper = "Press et al. 2022, Train Short, Test Long (arXiv:2108.12409)"
+
+    trainable_slopes: bool = False
+
+    def validate(self) -> None:
+        require_bool("AlibiConfig", "trainable_slopes", self.trainable_slopes)
+
+    def build(self, spec: ModelSpec) -> AlibiBias:
+        return AlibiBias(alibi_slopes(spec.num_heads).to(spec.device), self.trainable_slopes)

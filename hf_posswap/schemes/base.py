@@ -1,0 +1,186 @@
+"""What every position scheme shares: the config base class, the model facts a scheme is built from, the
+scheme registry, and the three module contracts (absolute, rotary, bias).
+
+A scheme is *what* is computed; where it goes inside a model is the family adapter's business
+(``hf_posswap.families``). See DESIGN.md §2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import nn
+
+from ..errors import InvalidConfigError, InvalidOptionError, UnknownSchemeError, closest_hint
+from ..registry import Registry
+
+SchemeKind = Literal["absolute", "rotary", "bias", "none"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Facts about a model that a scheme needs to build its module; filled in by the family adapter."""
+
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    is_causal: bool
+    max_positions: int | None
+    initializer_range: float
+    native_rope_theta: float | None
+    dtype: torch.dtype
+    device: torch.device
+    existing_table: torch.Tensor | None = None  # [max_positions, hidden] when the model has a learned table
+
+
+@dataclass
+class SchemeConfig:
+    """Base class of every scheme's config.
+
+    Subclasses are dataclasses that validate in ``__post_init__`` and serialize to plain JSON with
+    :meth:`to_dict`. They set ``name`` (the registry key) and ``kind`` (one of absolute, rotary, bias, none).
+    """
+
+    name: ClassVar[str] = ""
+    kind: ClassVar[SchemeKind] = "none"
+    paper: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`InvalidConfigError` for an invalid value. Subclasses extend this."""
+
+    def resolve(self, spec: ModelSpec) -> SchemeConfig:
+        """Return a copy with model-dependent defaults (``None`` fields) filled in from ``spec``."""
+        return dataclasses.replace(self)
+
+    def build(self, spec: ModelSpec) -> nn.Module | None:
+        """Build the module carrying this scheme for a model described by ``spec`` (``None``: nothing to carry)."""
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form: ``{"scheme": name, **fields}``."""
+        return {"scheme": self.name, **dataclasses.asdict(self)}
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_options(cls, **options: Any) -> SchemeConfig:
+        """Build the config from keyword options, rejecting options the scheme does not have."""
+        allowed = cls.option_names()
+        for key in options:
+            if key not in allowed:
+                listed = ", ".join(allowed) if allowed else "none"
+                raise InvalidOptionError(
+                    f"Scheme '{cls.name}' ({cls.__name__}) has no option '{key}'. Its options are: {listed}."
+                    f"{closest_hint(key, allowed)}"
+                )
+        return cls(**options)
+
+
+SCHEME_REGISTRY: Registry[type[SchemeConfig]] = Registry(
+    "position scheme", UnknownSchemeError, "List them with hf_posswap.available_schemes()."
+)
+
+
+def register_scheme(cls: type[SchemeConfig]) -> type[SchemeConfig]:
+    """Class decorator: register a :class:`SchemeConfig` subclass under its ``name``."""
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} must set a non-empty class attribute `name`.")
+    return SCHEME_REGISTRY.register(cls.name)(cls)
+
+
+def scheme_config_from_dict(data: dict[str, Any]) -> SchemeConfig:
+    """Inverse of :meth:`SchemeConfig.to_dict`."""
+    fields = dict(data)
+    name = fields.pop("scheme", None)
+    if not isinstance(name, str):
+        raise InvalidConfigError(f"A scheme record needs a string 'scheme' key, got {name!r} in {data!r}.")
+    return SCHEME_REGISTRY.get(name).from_options(**fields)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation helpers: each raises InvalidConfigError naming the field, the bad value and what is allowed.
+
+
+def require_positive(owner: str, field: str, value: float | int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidConfigError(f"{owner}.{field} must be a positive finite number, got {value!r}.")
+
+
+def require_int_at_least(owner: str, field: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidConfigError(f"{owner}.{field} must be an integer >= {minimum}, got {value!r}.")
+
+
+def require_fraction(owner: str, field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise InvalidConfigError(f"{owner}.{field} must be in (0, 1], got {value!r}.")
+
+
+def require_bool(owner: str, field: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise InvalidConfigError(f"{owner}.{field} must be True or False, got {value!r}.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Module contracts.
+
+
+class AbsolutePositions(nn.Module):
+    """position ids [B, L] (or [1, L]) -> vectors [B, L, hidden] added to the token embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Empty buffer that follows model.to(dtype/device) so computed vectors match the embeddings.
+        self.register_buffer("_dtype_probe", torch.empty(0), persistent=False)
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        return self._dtype_probe.dtype
+
+
+class RotaryPositions(nn.Module):
+    """positions [P] -> (cos, sin), each [P, rotary_dim], in HF's rotate-half layout."""
+
+    rotary_dim: int
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class BiasPositions(nn.Module):
+    """(query positions [q], key positions [kv], layer index, causal) -> additive logit bias [1, H, q, kv]."""
+
+    def bias(
+        self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class NoPositions(AbsolutePositions):
+    """Zero vectors: stands in for a model's absolute table when the table is removed (NoPE and every
+    non-absolute scheme)."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        # [B, L] -> [B, L, hidden]
+        return torch.zeros(
+            (*position_ids.shape, self.hidden_size), dtype=self.out_dtype, device=position_ids.device
+        )
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}"

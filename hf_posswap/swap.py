@@ -1,0 +1,177 @@
+"""``swap`` and ``unswap``: install a position scheme into a model, or restore the original mechanism.
+
+A swap is planned as a list of reversible edits (``hf_posswap.edits``) from two independent parts: the scheme's
+config (what) and the family adapter (where). Everything that can fail is checked before the first edit, and
+the edits apply as one transaction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .attention import CARRIERS
+from .context import POSITIONS_ATTR, PositionHook
+from .edits import AddForwardPreHook, Edit, SetAttentionImplementation, SetAttribute, apply_all, revert_all
+from .errors import AlreadySwappedError, IncompatibleAttentionError, InvalidOptionError, NotSwappedError
+from .families.base import FamilyAdapter, get_family
+from .schemes.base import SCHEME_REGISTRY, ModelSpec, SchemeConfig
+from .schemes.rope import RopeConfig
+
+STATE_ATTR = "_posswap_state"
+CONFIG_RECORD = "posswap"
+RECORD_VERSION = 1
+
+
+@dataclass
+class SwapState:
+    """What ``swap`` did to a model, kept on the model so ``unswap`` and ``describe`` can read it."""
+
+    config: SchemeConfig
+    family: str
+    native: bool
+    edits: list[Edit]
+    new_parameters: list[tuple[str, tuple[int, ...], bool]] = field(default_factory=list)
+
+
+def available_schemes() -> list[str]:
+    """Names of the registered position schemes, usable as ``swap(model, name)``."""
+    return SCHEME_REGISTRY.names()
+
+
+def supported_families() -> list[str]:
+    """``config.model_type`` values that ``swap`` supports."""
+    from .families.base import FAMILY_REGISTRY
+
+    return FAMILY_REGISTRY.names()
+
+
+def resolve_scheme(scheme: str | SchemeConfig, options: dict[str, Any]) -> SchemeConfig:
+    """A registered name plus options, or a config object (options then override its fields)."""
+    if isinstance(scheme, SchemeConfig):
+        if not options:
+            return scheme
+        return type(scheme).from_options(**{**dataclasses.asdict(scheme), **options})
+    if isinstance(scheme, str):
+        return SCHEME_REGISTRY.get(scheme).from_options(**options)
+    raise InvalidOptionError(
+        f"scheme must be a registered name ({', '.join(available_schemes())}) or a SchemeConfig such as "
+        f"hf_posswap.AlibiConfig(), got {type(scheme).__name__}: {scheme!r}."
+    )
+
+
+def swap(model: nn.Module, scheme: str | SchemeConfig, *, replace: bool = False, **options: Any) -> nn.Module:
+    """Replace the position mechanism of ``model`` in place and return the same model object.
+
+    Args:
+        model: a transformers model of a supported family (``supported_families()``).
+        scheme: a registered scheme name (``available_schemes()``) or a config such as ``RopeConfig(...)``.
+        replace: when the model is already swapped, undo that swap first instead of raising.
+        **options: fields of the scheme's config (``swap(model, "t5", num_buckets=64)``).
+
+    Raises:
+        UnknownSchemeError, InvalidOptionError, InvalidConfigError, UnsupportedFamilyError,
+        IncompatibleAttentionError, AlreadySwappedError. On any error the model is left exactly as it was.
+    """
+    adapter = get_family(model)
+    config = resolve_scheme(scheme, options)
+    previous: SwapState | None = getattr(model, STATE_ATTR, None)
+    if previous is not None and not replace:
+        raise AlreadySwappedError(
+            f"This model already carries the '{previous.config.name}' scheme from hf_posswap. Call "
+            "hf_posswap.unswap(model) first, or swap(model, ..., replace=True) to replace it cleanly."
+        )
+    if previous is not None:
+        unswap(model)
+    try:
+        state = _install(model, adapter, config)
+    except BaseException:
+        if previous is not None:  # put the earlier swap back exactly as it was
+            apply_all(previous.edits)
+            setattr(model, STATE_ATTR, previous)
+        raise
+    setattr(model, STATE_ATTR, state)
+    return model
+
+
+def unswap(model: nn.Module) -> nn.Module:
+    """Restore the model's original position mechanism exactly (modules, config, attention implementation)."""
+    state: SwapState | None = getattr(model, STATE_ATTR, None)
+    if state is None:
+        raise NotSwappedError(
+            f"{type(model).__name__} was not swapped by hf_posswap, so there is nothing to undo. "
+            "hf_posswap.describe(model) shows what a model carries."
+        )
+    revert_all(state.edits)
+    delattr(model, STATE_ATTR)
+    return model
+
+
+def swap_state(model: nn.Module) -> SwapState | None:
+    """The :class:`SwapState` of a swapped model, else ``None``."""
+    return getattr(model, STATE_ATTR, None)
+
+
+def _install(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig) -> SwapState:
+    spec = adapter.spec(model)
+    config = config.resolve(spec)
+    edits, native = _plan(model, adapter, config, spec)
+    before = {id(p) for p in model.parameters()}
+    apply_all(edits)
+    new_parameters = [
+        (name, tuple(param.shape), param.requires_grad)
+        for name, param in model.named_parameters()
+        if id(param) not in before
+    ]
+    return SwapState(config, adapter.name, native, edits, new_parameters)
+
+
+def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: ModelSpec) -> tuple[list[Edit], bool]:
+    """The edits that install ``config`` in ``model``, and whether the result is native transformers."""
+    record = {"version": RECORD_VERSION, "family": adapter.name, **config.to_dict()}
+    record_edit = SetAttribute(
+        model.config, CONFIG_RECORD, lambda: dict(record), where=f"config.{CONFIG_RECORD} = {record}"
+    )
+    if isinstance(config, RopeConfig):
+        native_edits = adapter.native_rope_edits(model, config)
+        if native_edits is not None:
+            return [*native_edits, record_edit], True
+
+    base = adapter.base_model(model)
+    in_attention = config.kind in ("rotary", "bias")
+    if in_attention:
+        _check_attention(model, config)
+    module = config.build(spec)
+    if module is not None:
+        module = module.to(device=spec.device)
+    slot = adapter.absolute_slot(base)
+    edits: list[Edit] = []
+    if config.kind == "absolute" and slot is not None:
+        parent, attr = slot
+        edits.append(SetAttribute(parent, attr, lambda: module, where=f"{attr} <- {module!r}"))
+        edits += adapter.removal_edits(model, spec, keep_absolute_slot=True)
+    else:
+        edits += adapter.removal_edits(model, spec)
+        if module is not None:
+            edits.append(SetAttribute(base, POSITIONS_ATTR, lambda: module, where=f"{POSITIONS_ATTR} <- {module!r}"))
+    if in_attention:
+        edits.append(SetAttentionImplementation(model, CARRIERS[model.config._attn_implementation]))
+    hook = PositionHook(
+        adapter, adds_absolute=config.kind == "absolute" and slot is None, feeds_attention=in_attention
+    )
+    edits.append(AddForwardPreHook(base, hook, where=f"forward pre-hook on {type(base).__name__}"))
+    edits.append(record_edit)
+    return edits, False
+
+
+def _check_attention(model: nn.Module, config: SchemeConfig) -> None:
+    current = model.config._attn_implementation
+    if current not in CARRIERS:
+        raise IncompatibleAttentionError(
+            f"The '{config.name}' scheme works inside attention, and attention implementation '{current}' cannot "
+            f"carry it (supported: eager, sdpa). Call model.set_attn_implementation('sdpa') before swapping, "
+            "or load the model with attn_implementation='sdpa'."
+        )

@@ -1,0 +1,97 @@
+"""Tiny models built from configs (2 layers, 64 hidden) for the family x scheme matrix; no hub access."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertForMaskedLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+import hf_posswap as ps  # noqa: E402
+
+VOCAB = 96
+MAX_POSITIONS = 64
+FAMILIES = ["gpt2", "bert", "llama"]
+CAUSAL_FAMILIES = ["gpt2", "llama"]
+SCHEMES = ps.available_schemes()
+
+
+def tiny_config(family: str):
+    if family == "gpt2":
+        return GPT2Config(
+            vocab_size=VOCAB, n_positions=MAX_POSITIONS, n_embd=64, n_layer=2, n_head=4,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )
+    if family == "bert":
+        return BertConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=MAX_POSITIONS, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            pad_token_id=0,
+        )
+    if family == "llama":
+        return LlamaConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, max_position_embeddings=MAX_POSITIONS, rope_theta=10_000.0,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )
+    raise ValueError(family)
+
+
+MODEL_CLASSES = {"gpt2": GPT2LMHeadModel, "bert": BertForMaskedLM, "llama": LlamaForCausalLM}
+
+
+def make_model(family: str, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+    """A tiny random model; the same seed gives the same weights whatever the attention implementation."""
+    torch.manual_seed(seed)
+    config = tiny_config(family)
+    config._attn_implementation = attn
+    model = MODEL_CLASSES[family](config).eval()
+    # Randomise LayerNorm/bias terms and the lm head a little so that positions matter in logits.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def scheme_config(scheme: str) -> ps.SchemeConfig:
+    """Each scheme with settings that make its effect visible right after the swap."""
+    if scheme == "t5":
+        return ps.T5BiasConfig(num_buckets=16, max_distance=32)
+    if scheme == "alibi":
+        return ps.AlibiConfig()
+    from hf_posswap.schemes import SCHEME_REGISTRY
+
+    return SCHEME_REGISTRY.get(scheme)()
+
+
+def swapped(family: str, scheme: str, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+    model = make_model(family, attn, seed)
+    ps.swap(model, scheme_config(scheme))
+    if scheme == "t5":  # zero-initialised tables carry no signal: give them one so tests can see the bias
+        with torch.no_grad():
+            table = model.base_model.posswap_positions.tables[0].weight
+            table.copy_(torch.randn_like(table))
+    return model
+
+
+def padding_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Padding-aware position ids, built as generate() builds them."""
+    position_ids = attention_mask.long().cumsum(-1) - 1
+    return position_ids.masked_fill(attention_mask == 0, 1)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param

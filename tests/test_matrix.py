@@ -1,0 +1,162 @@
+"""Every family x scheme: forward/backward, eager == sdpa, cache == no cache, padding, static cache, long inputs,
+output_attentions. Ids read ``gpt2-alibi`` so ``pytest -k alibi`` selects one scheme."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_posswap as ps
+from conftest import (
+    CAUSAL_FAMILIES,
+    FAMILIES,
+    MAX_POSITIONS,
+    SCHEMES,
+    VOCAB,
+    make_model,
+    padding_position_ids,
+    swapped,
+)
+
+MATRIX = [pytest.param(f, s, id=f"{f}-{s}") for f in FAMILIES for s in SCHEMES]
+CAUSAL_MATRIX = [pytest.param(f, s, id=f"{f}-{s}") for f in CAUSAL_FAMILIES for s in SCHEMES]
+
+
+def generate_logits(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy generation; returns (sequences, per-step logits [B, steps, vocab]) so tests compare numbers, not
+    just argmax tokens."""
+    out = model.generate(
+        input_ids, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True, **kwargs
+    )
+    return out.sequences, torch.stack(out.logits, dim=1)
+
+
+def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+@pytest.mark.parametrize(("family", "scheme"), MATRIX)
+def test_forward_backward(family: str, scheme: str) -> None:
+    model = swapped(family, scheme).train()
+    input_ids = tokens(2, 24)
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    for name, shape, trainable in ps.describe(model).new_parameters:
+        param = model.get_parameter(name)
+        if trainable:
+            assert param.grad is not None and torch.isfinite(param.grad).all(), name
+            assert param.grad.abs().sum() > 0, f"{name} gets no gradient"
+
+
+@pytest.mark.parametrize(("family", "scheme"), MATRIX)
+def test_eager_matches_sdpa(family: str, scheme: str) -> None:
+    eager, sdpa = swapped(family, scheme, "eager"), swapped(family, scheme, "sdpa")
+    input_ids = tokens(2, 20)
+    mask = torch.ones_like(input_ids)
+    mask[1, :5] = 0
+    kwargs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": padding_position_ids(mask)}
+    with torch.no_grad():
+        out_eager, out_sdpa = eager(**kwargs).logits, sdpa(**kwargs).logits
+    torch.testing.assert_close(out_eager[mask.bool()], out_sdpa[mask.bool()], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("family", "scheme"), CAUSAL_MATRIX)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_cached_generation_equals_recompute(family: str, scheme: str, attn: str) -> None:
+    model = swapped(family, scheme, attn)
+    input_ids = tokens(1, 8)
+    cached, cached_logits = generate_logits(model, input_ids, max_new_tokens=12, use_cache=True)
+    recomputed, recomputed_logits = generate_logits(model, input_ids, max_new_tokens=12, use_cache=False)
+    assert torch.equal(cached, recomputed)
+    torch.testing.assert_close(cached_logits, recomputed_logits, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("family", "scheme"), CAUSAL_MATRIX)
+def test_static_cache_equals_dynamic(family: str, scheme: str) -> None:
+    model = swapped(family, scheme)
+    input_ids = tokens(1, 8)
+    dynamic, dynamic_logits = generate_logits(model, input_ids, max_new_tokens=10)
+    static, static_logits = generate_logits(model, input_ids, max_new_tokens=10, cache_implementation="static")
+    assert torch.equal(dynamic, static)
+    torch.testing.assert_close(dynamic_logits, static_logits, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("family", "scheme"), CAUSAL_MATRIX)
+def test_left_padded_generation_equals_rows_alone(family: str, scheme: str) -> None:
+    model = swapped(family, scheme)
+    rows = [tokens(1, 10, seed=2)[0], tokens(1, 6, seed=3)[0]]
+    width = max(len(r) for r in rows)
+    batch = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for i, row in enumerate(rows):
+        batch[i, width - len(row):] = row
+        mask[i, width - len(row):] = 1
+    together, together_logits = generate_logits(model, batch, attention_mask=mask, max_new_tokens=8)
+    for i, row in enumerate(rows):
+        alone, alone_logits = generate_logits(model, row[None], max_new_tokens=8)
+        assert torch.equal(together[i, width:], alone[0, len(row):]), f"row {i}"
+        torch.testing.assert_close(together_logits[i], alone_logits[0], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("family", "scheme"), MATRIX)
+def test_left_padded_forward_equals_rows_alone(family: str, scheme: str) -> None:
+    model = swapped(family, scheme)
+    rows = [tokens(1, 12, seed=4)[0], tokens(1, 7, seed=5)[0]]
+    width = max(len(r) for r in rows)
+    batch = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for i, row in enumerate(rows):
+        batch[i, width - len(row):] = row
+        mask[i, width - len(row):] = 1
+    with torch.no_grad():
+        together = model(input_ids=batch, attention_mask=mask, position_ids=padding_position_ids(mask)).logits
+        for i, row in enumerate(rows):
+            alone = model(input_ids=row[None]).logits[0]
+            torch.testing.assert_close(together[i, width - len(row):], alone, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("family", "scheme"), MATRIX)
+def test_inputs_longer_than_trained_length(family: str, scheme: str) -> None:
+    model = swapped(family, scheme)
+    input_ids = tokens(1, MAX_POSITIONS + 36)
+    if scheme == "learned":  # a table that was not grown has a hard limit, with an error that says what to do
+        with pytest.raises(IndexError, match=r"Position 99 is past the end of the learned position table"):
+            model(input_ids=input_ids)
+        ps.swap(model, ps.LearnedConfig(max_positions=2 * MAX_POSITIONS), replace=True)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits
+    assert logits.shape[1] == MAX_POSITIONS + 36 and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(("family", "scheme"), MATRIX)
+def test_output_attentions_include_the_scheme(family: str, scheme: str) -> None:
+    """With q = 0 the logits are the position bias alone, so the weights must be softmax(bias + mask)."""
+    model = swapped(family, scheme, "eager")
+    base = model.base_model
+    for module in base.modules():  # zero the query projections
+        for name in ("q_proj", "query"):
+            if isinstance(getattr(module, name, None), torch.nn.Linear):
+                torch.nn.init.zeros_(getattr(module, name).weight)
+                torch.nn.init.zeros_(getattr(module, name).bias) if getattr(module, name).bias is not None else None
+    if family == "gpt2":
+        for block in base.h:  # c_attn packs q, k, v: zero the q third
+            with torch.no_grad():
+                block.attn.c_attn.weight[:, :64] = 0
+                block.attn.c_attn.bias[:64] = 0
+    input_ids = tokens(1, 10)
+    with torch.no_grad():
+        attentions = model(input_ids=input_ids, output_attentions=True).attentions
+    assert attentions is not None and len(attentions) == 2
+    weights = attentions[0][0]  # [H, q, kv]
+    causal = family != "bert"
+    positions = torch.arange(10)
+    scheme_module = getattr(base, "posswap_positions", None)
+    if scheme in ("alibi", "t5"):
+        bias = scheme_module.bias(positions, positions, 0, causal)[0]
+    else:
+        bias = torch.zeros(4, 10, 10)  # absolute and rotary schemes cannot act on a zero query
+    if causal:
+        bias = bias.masked_fill(~torch.ones(10, 10, dtype=torch.bool).tril(), float("-inf"))
+    torch.testing.assert_close(weights, bias.softmax(-1), atol=1e-5, rtol=1e-4)
