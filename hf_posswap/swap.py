@@ -151,12 +151,12 @@ def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: 
     edits: list[Edit] = []
     if config.kind == "absolute" and slot is not None:
         parent, attr = slot
-        edits.append(SetAttribute(parent, attr, lambda: module, where=f"{attr} <- {module!r}"))
+        edits.append(SetAttribute(parent, attr, lambda: module, where=f"{attr} <- {_short(module)}"))
         edits += adapter.removal_edits(model, spec, keep_absolute_slot=True)
     else:
         edits += adapter.removal_edits(model, spec)
         if module is not None:
-            edits.append(SetAttribute(base, POSITIONS_ATTR, lambda: module, where=f"{POSITIONS_ATTR} <- {module!r}"))
+            edits.append(SetAttribute(base, POSITIONS_ATTR, lambda: module, where=f"{POSITIONS_ATTR} <- {_short(module)}"))
     if in_attention:
         edits.append(SetAttentionImplementation(model, CARRIERS[model.config._attn_implementation]))
     hook = PositionHook(
@@ -165,6 +165,10 @@ def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: 
     edits.append(AddForwardPreHook(base, hook, where=f"forward pre-hook on {type(base).__name__}"))
     edits.append(record_edit)
     return edits, False
+
+
+def _short(module: nn.Module) -> str:
+    return f"{type(module).__name__}({module.extra_repr()})"
 
 
 def _check_attention(model: nn.Module, config: SchemeConfig) -> None:

@@ -24,6 +24,10 @@ class FamilyAdapter:
     name: ClassVar[str] = ""
     model_types: ClassVar[tuple[str, ...]] = ()
     native_positions: ClassVar[str] = ""
+    #: dotted path, under the base model, of the learned absolute table (None: the family has none)
+    absolute_table_path: ClassVar[str | None] = None
+    #: dotted path, under the base model, of the native rotary module (None: the family has none)
+    rotary_module_path: ClassVar[str | None] = None
 
     # --- structure --------------------------------------------------------------------------------------------
     def base_model(self, model: nn.Module) -> nn.Module:
@@ -32,11 +36,11 @@ class FamilyAdapter:
 
     def absolute_slot(self, base: nn.Module) -> tuple[nn.Module, str] | None:
         """(parent, attribute) of the learned absolute table, or ``None`` when the family has none."""
-        return None
+        return _slot(base, self.absolute_table_path)
 
     def rotary_slot(self, base: nn.Module) -> tuple[nn.Module, str] | None:
         """(parent, attribute) of the native rotary module, or ``None`` when the family has none."""
-        return None
+        return _slot(base, self.rotary_module_path)
 
     def is_self_attention(self, module: nn.Module) -> bool:
         """Whether an attention module is self-attention (schemes never touch cross-attention)."""
@@ -133,6 +137,13 @@ def get_family(model: nn.Module) -> FamilyAdapter:
             "FamilyAdapter for its model_type."
         )
     return FAMILY_REGISTRY.get(model_type)
+
+
+def _slot(base: nn.Module, path: str | None) -> tuple[nn.Module, str] | None:
+    if path is None:
+        return None
+    parent_path, _, attr = path.rpartition(".")
+    return (base.get_submodule(parent_path) if parent_path else base), attr
 
 
 def parameter_dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device]:

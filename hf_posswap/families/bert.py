@@ -18,9 +18,7 @@ class BertAdapter(FamilyAdapter):
     name = "bert"
     model_types = ("bert",)
     native_positions = "learned absolute table (embeddings.position_embeddings)"
-
-    def absolute_slot(self, base: nn.Module) -> tuple[nn.Module, str]:
-        return base.embeddings, "position_embeddings"
+    absolute_table_path = "embeddings.position_embeddings"
 
     def is_self_attention(self, module: nn.Module) -> bool:
         return "CrossAttention" not in type(module).__name__

@@ -14,9 +14,7 @@ class GPT2Adapter(FamilyAdapter):
     name = "gpt2"
     model_types = ("gpt2",)
     native_positions = "learned absolute table (transformer.wpe)"
-
-    def absolute_slot(self, base: nn.Module) -> tuple[nn.Module, str]:
-        return base, "wpe"
+    absolute_table_path = "wpe"
 
     def spec(self, model: nn.Module) -> ModelSpec:
         config = model.config

@@ -27,9 +27,7 @@ class LlamaAdapter(FamilyAdapter):
     name = "llama"
     model_types = ("llama", "mistral", "qwen2", "qwen3")
     native_positions = "RoPE (model.rotary_emb, config.rope_parameters)"
-
-    def rotary_slot(self, base: nn.Module) -> tuple[nn.Module, str]:
-        return base, "rotary_emb"
+    rotary_module_path = "rotary_emb"
 
     def spec(self, model: nn.Module) -> ModelSpec:
         config = model.config
