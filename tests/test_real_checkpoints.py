@@ -1,0 +1,83 @@
+"""Real checkpoints from BENCHMARKS.md swap to every scheme and run forward (``pytest -m slow``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_posswap as ps
+from conftest import SCHEMES
+
+pytestmark = pytest.mark.slow
+
+checkpoints = pytest.importorskip("hf_posswap.checkpoints")
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    from transformers import AutoModel, AutoTokenizer
+
+    try:
+        path = checkpoints.minilm_dir()
+    except checkpoints.CheckpointNotInstalledError as error:
+        pytest.skip(str(error))
+    return AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        path = checkpoints.smollm2_dir()
+    except checkpoints.CheckpointNotInstalledError as error:
+        pytest.skip(str(error))
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_minilm_swaps_to_every_scheme(minilm, scheme: str) -> None:
+    model, tokenizer = minilm
+    batch = tokenizer(["Positions matter.", "A longer sentence about positional encodings in BERT."],
+                      padding=True, return_tensors="pt")
+    with torch.no_grad():
+        before = model(**batch).last_hidden_state
+        ps.swap(model, scheme)
+        try:
+            after = model(**batch).last_hidden_state
+            long_ids = torch.randint(1000, 2000, (1, 600))  # past the 512-position table
+            if scheme != "learned":
+                assert torch.isfinite(model(input_ids=long_ids).last_hidden_state).all()
+        finally:
+            ps.unswap(model)
+    assert torch.isfinite(after).all() and after.shape == before.shape
+    if scheme == "learned":
+        assert torch.equal(after, before)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_smollm2_swaps_to_every_scheme(smollm2, scheme: str) -> None:
+    model, tokenizer = smollm2
+    input_ids = tokenizer("def add(a, b):\n    return a + b\n\nprint(add(2, 3))", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        before = model(input_ids=input_ids).logits
+        ps.swap(model, scheme)
+        try:
+            after = model(input_ids=input_ids).logits
+        finally:
+            ps.unswap(model)
+        assert torch.equal(model(input_ids=input_ids).logits, before)
+    assert torch.isfinite(after).all()
+    if scheme == "rope":  # its own theta: the identity
+        assert torch.equal(after, before)
+
+
+def test_converted_smollm2_matches_the_gguf_load(smollm2) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = smollm2
+    gguf = checkpoints.smollm2_gguf()
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    input_ids = tokenizer("The quick brown fox", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=input_ids).logits, reference(input_ids=input_ids).logits)
