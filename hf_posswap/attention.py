@@ -5,7 +5,8 @@ Registered through transformers' own extension points (``AttentionInterface`` an
 :class:`~hf_posswap.context.PositionContext` passed down by the position hook, then:
 
 - rotary schemes rotate q and k by their positions (cached keys stay unrotated and are rotated by index);
-- bias schemes add a ``[1, H, q, kv]`` bias to the logits (sdpa through transformers' ``position_bias``).
+- bias schemes merge a ``[1, H, q, kv]`` logit bias into the attention mask, which both eager and sdpa add to the
+  logits.
 
 Cross-attention and calls without a context run unchanged.
 """
@@ -22,7 +23,6 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from .context import CONTEXT_KWARG, PositionContext
-from .schemes.base import BiasPositions, RotaryPositions
 from .schemes.rope import apply_rotary
 
 EAGER = "posswap_eager"
@@ -31,7 +31,7 @@ SDPA = "posswap_sdpa"
 CARRIERS = {"eager": EAGER, "sdpa": SDPA, EAGER: EAGER, SDPA: SDPA}
 
 
-def eager_attention_with_bias(
+def eager_attention(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -39,12 +39,12 @@ def eager_attention_with_bias(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    position_bias: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager attention with an additive position bias; returns (output [B, q, H, D], weights [B, H, q, kv]).
+    """Eager attention; returns (output [B, q, H, D], weights [B, H, q, kv]).
 
-    The returned weights include the bias, as ``output_attentions=True`` users expect. The merged mask is clamped
+    ``attention_mask`` may carry a position bias merged in (see :func:`merge_bias_and_mask`), so the returned
+    weights include the scheme's effect, as ``output_attentions=True`` users expect. The masked logits are clamped
     to the dtype's finite range so fp16 rows that are fully masked do not turn into NaN.
     """
     groups = getattr(module, "num_key_value_groups", 1)
@@ -52,43 +52,74 @@ def eager_attention_with_bias(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # [B, H, q, kv]
-    if position_bias is not None:
-        scores = scores + position_bias
-    lowest = torch.finfo(scores.dtype).min
     q_len, kv_len = scores.shape[-2], scores.shape[-1]
     if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask[..., :kv_len], lowest)
-        else:
-            scores = (scores + attention_mask[..., :kv_len]).clamp(min=lowest)
-    elif getattr(module, "is_causal", False) and q_len > 1:
-        # bottom-right aligned causal mask: query i sees keys j <= i + (kv - q)
+        scores = merge_bias_and_mask(scores, attention_mask, None, scores.dtype)
+    elif getattr(module, "is_causal", False) and q_len > 1:  # bottom-right aligned: query i sees j <= i + kv - q
         allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril(kv_len - q_len)
-        scores = scores.masked_fill(~allowed, lowest)
+        scores = merge_bias_and_mask(scores, None, allowed, scores.dtype)
     weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # [B, H, q, D] -> [B, q, H, D]
     return output, weights
 
 
-def apply_position_scheme(
-    module: nn.Module, query: torch.Tensor, key: torch.Tensor, context: PositionContext | None
+def merge_bias_and_mask(
+    bias: torch.Tensor, attention_mask: torch.Tensor | None, causal_allowed: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """One additive float mask from a logit bias [.., q, kv] and transformers' mask (None, bool or float).
+
+    transformers may skip the mask of a causal model (sdpa then relies on ``is_causal``); ``causal_allowed``
+    [q, kv] (True where a key is at or before the query) then stands in for it. Masked entries get the dtype's
+    lowest finite value; sums are clamped to it (fp16 safety).
+    """
+    lowest = torch.finfo(dtype).min
+    kv_len = bias.shape[-1]
+    if attention_mask is None:
+        if causal_allowed is not None:
+            bias = bias.masked_fill(~causal_allowed, lowest)
+        return bias.to(dtype)
+    attention_mask = attention_mask[..., :kv_len]
+    if attention_mask.dtype == torch.bool:
+        return bias.masked_fill(~attention_mask, lowest).to(dtype)
+    return (bias + attention_mask).clamp(min=lowest).to(dtype)
+
+
+def scheme_inputs(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    context: PositionContext | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Apply the context's scheme to q [B, H, q, D] and k [B, Hkv, kv, D]; return (q, k, bias or None)."""
+    """Apply the context's scheme to q [B, H, q, D], k [B, Hkv, kv, D] and the mask; return (q, k, mask).
+
+    Rotary schemes rotate q and k. Bias schemes merge their bias into the mask; a merged mask that needs no
+    gradient (fixed ALiBi slopes, any scheme under ``no_grad``) is computed once per forward and shared by every
+    layer that shares the bias.
+    """
     if context is None or context.positions is None or not context.is_self_attention(module):
-        return query, key, None
+        return query, key, attention_mask
     scheme = context.positions
     query_pos, key_pos = context.query_key_positions(query.shape[2], key.shape[2], query.device)
-    if isinstance(scheme, RotaryPositions):
-        query = apply_rotary(query, *scheme.cos_sin(query_pos))
-        key = apply_rotary(key, *scheme.cos_sin(key_pos))
-        return query, key, None
-    if isinstance(scheme, BiasPositions):
-        layer_idx = getattr(module, "layer_idx", 0) or 0
-        causal = bool(getattr(module, "is_causal", True))
-        bias = scheme.bias(query_pos, key_pos, layer_idx, causal)  # [1, H, q, kv]
-        return query, key, bias.to(query.dtype)
-    return query, key, None
+    if context.kind == "rotary":
+        return apply_rotary(query, *scheme(query_pos)), apply_rotary(key, *scheme(key_pos)), attention_mask
+    if context.kind != "bias":
+        return query, key, attention_mask
+    layer_idx = getattr(module, "layer_idx", 0) or 0
+    causal = bool(getattr(module, "is_causal", True))
+    memo_key = (
+        "mask", 0 if context.layer_shared else layer_idx, query.shape[2], key.shape[2], causal, query.dtype,
+        None if attention_mask is None else id(attention_mask),
+    )
+    merged = context.memo.get(memo_key)
+    if merged is None:
+        bias = scheme(query_pos, key_pos, layer_idx, causal, context.memo)  # [1, H, q, kv]
+        allowed = key_pos[None, :] <= query_pos[:, None] if causal else None  # [q, kv]
+        merged = merge_bias_and_mask(bias, attention_mask, allowed, query.dtype)
+        if not merged.requires_grad:
+            context.memo[memo_key] = merged
+    return query, key, merged
 
 
 def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> Callable[..., Any]:
@@ -101,9 +132,7 @@ def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> 
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         context = kwargs.pop(CONTEXT_KWARG, None)
-        query, key, bias = apply_position_scheme(module, query, key, context)
-        if bias is not None:
-            kwargs["position_bias"] = bias
+        query, key, attention_mask = scheme_inputs(module, query, key, attention_mask, context)
         return inner(module, query, key, value, attention_mask, **kwargs)
 
     return posswap_attention
@@ -111,7 +140,7 @@ def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> 
 
 def register_attention_functions() -> None:
     """Register ``posswap_eager`` / ``posswap_sdpa`` and their mask builders (idempotent)."""
-    AttentionInterface.register(EAGER, _carrier(eager_attention_with_bias))
+    AttentionInterface.register(EAGER, _carrier(eager_attention))
     AttentionInterface.register(SDPA, _carrier(sdpa_attention_forward))
     AttentionMaskInterface.register(EAGER, eager_mask)
     AttentionMaskInterface.register(SDPA, sdpa_mask)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,8 +32,12 @@ class PositionContext:
     """
 
     positions: nn.Module | None
+    kind: str
     query_offset: int
     is_self_attention: Callable[[nn.Module], bool]
+    layer_shared: bool = True
+    #: per-forward memo for gradient-free intermediates shared across layers (bucket ids, merged masks)
+    memo: dict = field(default_factory=dict)
 
     def query_key_positions(self, q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """query positions [q] and key positions [kv].
@@ -56,8 +60,12 @@ def _cache_length(cache: Any) -> int:
 class PositionHook:
     """Forward pre-hook (``with_kwargs=True``) installed on the base model by ``swap``."""
 
-    def __init__(self, adapter: FamilyAdapter, adds_absolute: bool, feeds_attention: bool) -> None:
+    def __init__(
+        self, adapter: FamilyAdapter, kind: str, adds_absolute: bool, feeds_attention: bool, layer_shared: bool = True
+    ) -> None:
         self.adapter = adapter
+        self.kind = kind
+        self.layer_shared = layer_shared
         self.adds_absolute = adds_absolute
         self.feeds_attention = feeds_attention
 
@@ -72,7 +80,9 @@ class PositionHook:
         if self.adds_absolute and positions is not None:
             self._add_absolute(base, positions, kwargs, query_offset)
         if self.feeds_attention:
-            kwargs[CONTEXT_KWARG] = PositionContext(positions, query_offset, self.adapter.is_self_attention)
+            kwargs[CONTEXT_KWARG] = PositionContext(
+                positions, self.kind, query_offset, self.adapter.is_self_attention, self.layer_shared
+            )
         return (), kwargs
 
     @staticmethod

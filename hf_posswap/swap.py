@@ -160,7 +160,11 @@ def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: 
     if in_attention:
         edits.append(SetAttentionImplementation(model, CARRIERS[model.config._attn_implementation]))
     hook = PositionHook(
-        adapter, adds_absolute=config.kind == "absolute" and slot is None, feeds_attention=in_attention
+        adapter,
+        config.kind,
+        adds_absolute=config.kind == "absolute" and slot is None,
+        feeds_attention=in_attention,
+        layer_shared=config.layer_shared,
     )
     edits.append(AddForwardPreHook(base, hook, where=f"forward pre-hook on {type(base).__name__}"))
     edits.append(record_edit)

@@ -154,9 +154,35 @@ def test_output_attentions_include_the_scheme(family: str, scheme: str) -> None:
     positions = torch.arange(10)
     scheme_module = getattr(base, "posswap_positions", None)
     if scheme in ("alibi", "t5"):
-        bias = scheme_module.bias(positions, positions, 0, causal)[0]
+        bias = scheme_module(positions, positions, 0, causal)[0]
     else:
         bias = torch.zeros(4, 10, 10)  # absolute and rotary schemes cannot act on a zero query
     if causal:
         bias = bias.masked_fill(~torch.ones(10, 10, dtype=torch.bool).tril(), float("-inf"))
     torch.testing.assert_close(weights, bias.softmax(-1), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_t5_tables_per_layer(family: str) -> None:
+    """shared_across_layers=False: each layer reads its own table (the per-forward memo must not mix them)."""
+    models = {}
+    for attn in ("eager", "sdpa"):
+        model = make_model(family, attn)
+        ps.swap(model, ps.T5BiasConfig(num_buckets=16, max_distance=32, shared_across_layers=False))
+        tables = model.base_model.posswap_positions.tables
+        assert len(tables) == 2
+        torch.manual_seed(3)
+        with torch.no_grad():
+            for table in tables:
+                table.weight.copy_(3 * torch.randn_like(table.weight))
+        models[attn] = model
+    input_ids = tokens(1, 12)
+    with torch.no_grad():
+        eager = models["eager"](input_ids=input_ids, output_attentions=True)
+        sdpa = models["sdpa"](input_ids=input_ids)
+        # layer 1 with layer 0's table must give different logits
+        tables = models["sdpa"].base_model.posswap_positions.tables
+        tables[1].weight.copy_(tables[0].weight)
+        mixed = models["sdpa"](input_ids=input_ids)
+    torch.testing.assert_close(eager.logits, sdpa.logits, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(sdpa.logits, mixed.logits, atol=1e-4)

@@ -47,11 +47,11 @@ def test_causal_alibi_bias_equals_bloom_up_to_a_row_constant(num_heads: int) -> 
     length = 9
     module = ps.AlibiConfig().build(_spec(num_heads))
     positions = torch.arange(length)
-    ours = module.bias(positions, positions, 0, causal=True)[0]  # [H, q, kv]
+    ours = module(positions, positions, 0, causal=True)[0]  # [H, q, kv]
     bloom = build_alibi_tensor(torch.ones(1, length, dtype=torch.long), num_heads, torch.float32)  # [H, 1, kv]
     difference = ours - bloom  # softmax is invariant to a constant per row: the difference must be one
     torch.testing.assert_close(difference, difference[..., :1].expand_as(difference))
-    bidirectional = module.bias(positions, positions, 0, causal=False)[0]
+    bidirectional = module(positions, positions, 0, causal=False)[0]
     torch.testing.assert_close(bidirectional, -(alibi_slopes(num_heads)[:, None, None]
                                                 * (positions[:, None] - positions[None, :]).abs()))
 
@@ -64,7 +64,7 @@ def test_rotary_matches_llama() -> None:
     q, k = torch.randn(2, 4, 50, 16), torch.randn(2, 2, 50, 16)
     cos, sin = rotary(q, positions[None])
     expected_q, expected_k = apply_rotary_pos_emb(q, k, cos, sin)
-    our_cos, our_sin = ours.cos_sin(positions)
+    our_cos, our_sin = ours(positions)
     torch.testing.assert_close(our_cos, cos[0])
     torch.testing.assert_close(apply_rotary(q, our_cos, our_sin), expected_q)
     torch.testing.assert_close(apply_rotary(k, our_cos, our_sin), expected_k)
@@ -92,7 +92,7 @@ def test_rope_keeps_hf_rotate_half_layout() -> None:
     ours = ps.RopeConfig(rope_theta=10_000.0).build(_spec(1, head_dim=8))
     x = torch.zeros(1, 1, 2, 8)
     x[..., 0] = 1.0  # e_0
-    cos, sin = ours.cos_sin(torch.tensor([0, 1]))
+    cos, sin = ours(torch.tensor([0, 1]))
     rotated = apply_rotary(x, cos, sin)[0, 0, 1]
     assert rotated[0] == pytest.approx(math.cos(1.0)) and rotated[4] == pytest.approx(math.sin(1.0))
     assert rotated[1].abs() < 1e-7

@@ -41,12 +41,14 @@ class AlibiBias(BiasPositions):
         else:
             self.register_buffer("slopes", slopes)
 
-    def bias(self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool) -> torch.Tensor:
+    def forward(
+        self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool, memo: dict | None = None
+    ) -> torch.Tensor:
         # query_pos [q], key_pos [kv] -> [1, H, q, kv]
-        distance = (query_pos[:, None] - key_pos[None, :]).to(torch.float32)  # [q, kv], i - j
+        distance = (key_pos[None, :] - query_pos[:, None]).to(torch.float32)  # [q, kv], j - i
         if not causal:
-            distance = distance.abs()
-        return -(self.slopes.to(torch.float32)[:, None, None] * distance[None]).unsqueeze(0)
+            distance = -distance.abs()
+        return (self.slopes.to(torch.float32)[:, None, None] * distance[None]).unsqueeze(0)  # -m (i - j)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.slopes.shape[0]}, trainable={isinstance(self.slopes, nn.Parameter)}"

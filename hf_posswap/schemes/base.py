@@ -58,6 +58,11 @@ class SchemeConfig:
     def validate(self) -> None:
         """Raise :class:`InvalidConfigError` for an invalid value. Subclasses extend this."""
 
+    @property
+    def layer_shared(self) -> bool:
+        """Whether every layer gets the same positions (bias schemes: one bias for all layers)."""
+        return True
+
     def resolve(self, spec: ModelSpec) -> SchemeConfig:
         """Return a copy with model-dependent defaults (``None`` fields) filled in from ``spec``."""
         return dataclasses.replace(self)
@@ -151,19 +156,27 @@ class AbsolutePositions(nn.Module):
 
 
 class RotaryPositions(nn.Module):
-    """positions [P] -> (cos, sin), each [P, rotary_dim], in HF's rotate-half layout."""
+    """forward: positions [P] -> (cos, sin), each [P, rotary_dim], in HF's rotate-half layout.
+
+    Scheme modules are always *called* (never a method looked up on them), so wrappers such as peft's
+    ``ModulesToSaveWrapper`` dispatch to the trained copy.
+    """
 
     rotary_dim: int
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
 
 class BiasPositions(nn.Module):
-    """(query positions [q], key positions [kv], layer index, causal) -> additive logit bias [1, H, q, kv]."""
+    """forward: (query positions [q], key positions [kv], layer index, causal, memo) -> logit bias [1, H, q, kv].
 
-    def bias(
-        self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool
+    ``memo`` is a per-forward dict where a scheme may keep gradient-free intermediates (bucket ids) for the
+    next layer; it may be ``None``.
+    """
+
+    def forward(
+        self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool, memo: dict | None = None
     ) -> torch.Tensor:
         raise NotImplementedError
 

@@ -54,7 +54,7 @@ class RotaryEmbedding(RotaryPositions):
         self.attention_scaling = attention_scaling
         self.rotary_dim = 2 * inv_freq.shape[0]
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [P] -> cos, sin [P, rotary_dim] (float32)
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]  # [P, r/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [P, r]

@@ -51,12 +51,20 @@ class T5RelativeBias(BiasPositions):
         for table in self.tables:
             nn.init.zeros_(table.weight)
 
-    def bias(self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool) -> torch.Tensor:
+    def forward(
+        self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool, memo: dict | None = None
+    ) -> torch.Tensor:
         # query_pos [q], key_pos [kv] -> [1, H, q, kv]
         table = self.tables[0] if len(self.tables) == 1 else self.tables[layer_idx]
-        relative = key_pos[None, :] - query_pos[:, None]  # [q, kv], memory - context as in T5
-        buckets = relative_position_bucket(relative, not causal, self.num_buckets, self.max_distance)
-        return table(buckets).permute(2, 0, 1).unsqueeze(0).to(torch.float32)  # [q, kv, H] -> [1, H, q, kv]
+        memo_key = ("t5-buckets", causal, query_pos.shape[0], key_pos.shape[0], int(query_pos[0]), int(key_pos[0]))
+        buckets = memo.get(memo_key) if memo is not None else None
+        if buckets is None:
+            relative = key_pos[None, :] - query_pos[:, None]  # [q, kv], memory - context as in T5
+            buckets = relative_position_bucket(relative, not causal, self.num_buckets, self.max_distance)
+            if memo is not None:
+                memo[memo_key] = buckets
+        weight = table.weight.to(torch.float32).t()  # [num_buckets, H] -> [H, num_buckets]
+        return weight[:, buckets].unsqueeze(0)  # [H, q, kv] -> [1, H, q, kv]
 
     def extra_repr(self) -> str:
         return f"num_buckets={self.num_buckets}, max_distance={self.max_distance}, tables={len(self.tables)}"
@@ -90,6 +98,10 @@ class T5BiasConfig(SchemeConfig):
         require_int_at_least("T5BiasConfig", "num_buckets", self.num_buckets, 2)
         require_int_at_least("T5BiasConfig", "max_distance", self.max_distance, 1)
         require_bool("T5BiasConfig", "shared_across_layers", self.shared_across_layers)
+
+    @property
+    def layer_shared(self) -> bool:
+        return self.shared_across_layers
 
     def resolve(self, spec: ModelSpec) -> T5BiasConfig:
         # With bidirectional buckets each direction gets num_buckets // 2; its exact half must be >= 1.
