@@ -76,8 +76,8 @@ def merge_bias_and_mask(
     lowest = torch.finfo(dtype).min
     kv_len = bias.shape[-1]
     if attention_mask is None:
-        if causal_allowed is not None:
-            bias = bias.masked_fill(~causal_allowed, lowest)
+        if causal_allowed is not None:  # in place: the bias is a fresh tensor and no backward reads it
+            bias = bias.masked_fill_(~causal_allowed, lowest)
         return bias.to(dtype)
     attention_mask = attention_mask[..., :kv_len]
     if attention_mask.dtype == torch.bool:

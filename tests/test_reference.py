@@ -113,3 +113,16 @@ def _spec(num_heads: int, head_dim: int = 16) -> ps.schemes.ModelSpec:
         num_kv_heads=num_heads, head_dim=head_dim, is_causal=True, max_positions=64, initializer_range=0.02,
         native_rope_theta=None, dtype=torch.float32, device=torch.device("cpu"),
     )
+
+
+def test_t5_bias_gradient_equals_plain_indexing() -> None:
+    module = ps.T5BiasConfig(num_buckets=16, max_distance=40).build(_spec(4))
+    torch.nn.init.normal_(module.tables[0].weight)
+    positions = torch.arange(30)
+    upstream = torch.randn(1, 4, 30, 30)
+    (module(positions, positions, 0, True) * upstream).sum().backward()
+    ours = module.tables[0].weight.grad.clone()
+    weight = module.tables[0].weight.detach().clone().requires_grad_()
+    buckets = relative_position_bucket(positions[None, :] - positions[:, None], False, 16, 40)
+    (weight.t()[:, buckets].unsqueeze(0) * upstream).sum().backward()
+    torch.testing.assert_close(ours, weight.grad)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,6 +38,27 @@ def relative_position_bucket(
     return buckets + torch.where(is_small, distance, large)
 
 
+class _GatherBuckets(torch.autograd.Function):
+    """weight [H, nb] gathered at bucket ids [q, kv] -> [H, q, kv].
+
+    Same values as ``weight[:, buckets]``; the backward sums gradients per bucket with ``index_add_``, which on CPU
+    is about 4x faster than the generic indexing backward for the few-buckets, many-positions case here.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(buckets)
+        ctx.num_buckets = weight.shape[1]
+        return weight[:, buckets]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (buckets,) = ctx.saved_tensors
+        grad_weight = grad.new_zeros(grad.shape[0], ctx.num_buckets)
+        grad_weight.index_add_(1, buckets.flatten(), grad.reshape(grad.shape[0], -1))
+        return grad_weight, None
+
+
 class T5RelativeBias(BiasPositions):
     """Learned bias tables ``[num_buckets, num_heads]``: one shared by all layers, or one per layer."""
 
@@ -64,7 +86,7 @@ class T5RelativeBias(BiasPositions):
             if memo is not None:
                 memo[memo_key] = buckets
         weight = table.weight.to(torch.float32).t()  # [num_buckets, H] -> [H, num_buckets]
-        return weight[:, buckets].unsqueeze(0)  # [H, q, kv] -> [1, H, q, kv]
+        return _GatherBuckets.apply(weight, buckets).unsqueeze(0)  # [H, q, kv] -> [1, H, q, kv]
 
     def extra_repr(self) -> str:
         return f"num_buckets={self.num_buckets}, max_distance={self.max_distance}, tables={len(self.tables)}"
