@@ -81,3 +81,15 @@ def test_converted_smollm2_matches_the_gguf_load(smollm2) -> None:
     input_ids = tokenizer("The quick brown fox", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         assert torch.equal(model(input_ids=input_ids).logits, reference(input_ids=input_ids).logits)
+
+
+def test_example_script_runs(minilm, smollm2) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "swap_real_checkpoints.py"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "MiniLM   none: cosine('the dog bit the man', 'the man bit the dog') = 1.0000" in result.stdout
+    assert "identical logits: True" in result.stdout

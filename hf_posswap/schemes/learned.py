@@ -82,7 +82,8 @@ class LearnedConfig(SchemeConfig):
         return LearnedConfig(max_positions=max_positions, keep_weights=keep)
 
     def build(self, spec: ModelSpec) -> LearnedPositions:
-        assert self.max_positions is not None  # resolve() ran
+        if self.max_positions is None:  # not resolved yet: fill model-dependent defaults first
+            return self.resolve(spec).build(spec)
         weight = torch.empty(self.max_positions, spec.hidden_size, dtype=spec.dtype, device=spec.device)
         nn.init.normal_(weight, mean=0.0, std=spec.initializer_range)
         if self.keep_weights and spec.existing_table is not None:
