@@ -50,8 +50,10 @@ def llama_demo() -> None:
         reloaded = AutoModelForCausalLM.from_pretrained(directory).eval()  # plain transformers
         with torch.no_grad():
             same = torch.equal(model(input_ids).logits, reloaded(input_ids).logits)
-    print(f"SmolLM2 rope_theta=2e5 saved and reloaded by plain transformers: "
-          f"rope_parameters={reloaded.config.rope_parameters}, identical logits: {same}")
+    print(
+        f"SmolLM2 rope_theta=2e5 saved and reloaded by plain transformers: "
+        f"rope_parameters={reloaded.config.rope_parameters}, identical logits: {same}"
+    )
 
 
 if __name__ == "__main__":

@@ -109,7 +109,12 @@ def scheme_inputs(
     layer_idx = getattr(module, "layer_idx", 0) or 0
     causal = bool(getattr(module, "is_causal", True))
     memo_key = (
-        "mask", 0 if context.layer_shared else layer_idx, query.shape[2], key.shape[2], causal, query.dtype,
+        "mask",
+        0 if context.layer_shared else layer_idx,
+        query.shape[2],
+        key.shape[2],
+        causal,
+        query.dtype,
         None if attention_mask is None else id(attention_mask),
     )
     merged = context.memo.get(memo_key)

@@ -28,10 +28,12 @@ COMMANDS = {"demo": _demo, "schemes": _schemes}
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: hf-posswap {demo,schemes} [options]\n\n"
-              "  demo     swap the built-in SmolLM2 checkpoint to several schemes and compare them\n"
-              "  schemes  print the family x scheme support matrix\n\n"
-              "Run `hf-posswap COMMAND --help` for the options of one command.")
+        print(
+            "usage: hf-posswap {demo,schemes} [options]\n\n"
+            "  demo     swap the built-in SmolLM2 checkpoint to several schemes and compare them\n"
+            "  schemes  print the family x scheme support matrix\n\n"
+            "Run `hf-posswap COMMAND --help` for the options of one command."
+        )
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:

@@ -73,7 +73,7 @@ class PositionHook:
         kwargs = dict(kwargs)
         if args:  # move positional arguments to keywords so they can be read and replaced
             names = list(inspect.signature(base.forward).parameters)
-            kwargs.update(zip(names, args))
+            kwargs.update(zip(names, args, strict=False))
         query_offset = _cache_length(kwargs.get("past_key_values"))
         self.adapter.prepare_inputs(base, kwargs, query_offset)
         positions = getattr(base, POSITIONS_ATTR, None)

@@ -39,9 +39,10 @@ def perplexity(model: torch.nn.Module, input_ids: torch.Tensor) -> float:
 @torch.no_grad()
 def continuation(model: torch.nn.Module, tokenizer, max_new_tokens: int = 16) -> str:
     prompt = tokenizer(PROMPT, return_tensors="pt")
-    output = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False,
-                            pad_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(output[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    output = model.generate(
+        **prompt, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id
+    )
+    return tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def run(schemes: tuple[str, ...] = DEFAULT_SCHEMES, length: int = 512, checkpoint: str | None = None) -> list[dict]:
@@ -62,12 +63,15 @@ def run(schemes: tuple[str, ...] = DEFAULT_SCHEMES, length: int = 512, checkpoin
     for scheme in schemes:
         swap(model, scheme)
         print(describe(model), "\n", flush=True)
-        rows.append({"scheme": scheme, "perplexity": perplexity(model, input_ids),
-                     "text": continuation(model, tokenizer)})
+        rows.append(
+            {"scheme": scheme, "perplexity": perplexity(model, input_ids), "text": continuation(model, tokenizer)}
+        )
         unswap(model)
 
-    print(f"Next-token perplexity on the first {input_ids.shape[1]} tokens of argparse.py, and greedy continuations "
-          f"of {PROMPT!r} (pretrained weights, no fine-tuning after the swap):\n")
+    print(
+        f"Next-token perplexity on the first {input_ids.shape[1]} tokens of argparse.py, and greedy continuations "
+        f"of {PROMPT!r} (pretrained weights, no fine-tuning after the swap):\n"
+    )
     print(f"| {'scheme':<8} | {'perplexity':>12} | continuation")
     print(f"|{'-' * 10}|{'-' * 14}|{'-' * 40}")
     for row in rows:

@@ -56,8 +56,12 @@ def describe(model: nn.Module) -> PositionDescription:
     if state is None:
         native = adapter.describe_native(model) if adapter is not None else "unknown (unsupported family)"
         return PositionDescription(
-            type(model).__name__, adapter.name if adapter else None, "native", {"mechanism": native},
-            True, attn,
+            type(model).__name__,
+            adapter.name if adapter else None,
+            "native",
+            {"mechanism": native},
+            True,
+            attn,
         )
     settings = {key: value for key, value in state.config.to_dict().items() if key != "scheme"}
     return PositionDescription(

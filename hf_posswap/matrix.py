@@ -28,8 +28,7 @@ def support_cell(family: str, scheme: str) -> str:
 
 def support_matrix_markdown() -> str:
     schemes = SCHEME_REGISTRY.names()
-    lines = ["| family (model_type) | " + " | ".join(f"`{s}`" for s in schemes) + " |",
-             "|---|" + "---|" * len(schemes)]
+    lines = ["| family (model_type) | " + " | ".join(f"`{s}`" for s in schemes) + " |", "|---|" + "---|" * len(schemes)]
     for family in FAMILY_REGISTRY.names():
         lines.append(f"| `{family}` | " + " | ".join(support_cell(family, s) for s in schemes) + " |")
     return "\n".join(lines)

@@ -156,7 +156,8 @@ def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: 
     else:
         edits += adapter.removal_edits(model, spec)
         if module is not None:
-            edits.append(SetAttribute(base, POSITIONS_ATTR, lambda: module, where=f"{POSITIONS_ATTR} <- {_short(module)}"))
+            where = f"{POSITIONS_ATTR} <- {_short(module)}"
+            edits.append(SetAttribute(base, POSITIONS_ATTR, lambda: module, where=where))
     if in_attention:
         edits.append(SetAttentionImplementation(model, CARRIERS[model.config._attn_implementation]))
     hook = PositionHook(

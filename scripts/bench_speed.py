@@ -12,6 +12,7 @@ measured side by side are the result.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -28,8 +29,15 @@ def build(family: str, max_positions: int) -> torch.nn.Module:
     """Small models of the same shape family as the real ones: 4 layers, hidden 256, head_dim 32."""
     torch.manual_seed(0)
     if family == "llama":
-        config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=max_positions)
+        config = LlamaConfig(
+            vocab_size=4096,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=max_positions,
+        )
         return LlamaForCausalLM(config)
     config = GPT2Config(vocab_size=4096, n_embd=256, n_layer=4, n_head=8, n_positions=max_positions)
     return GPT2LMHeadModel(config)
@@ -67,22 +75,39 @@ def run(cases: list[str], lengths: list[int], repeats: int) -> list[dict]:
             input_ids = torch.randint(0, 4096, (1, length), generator=torch.Generator().manual_seed(length))
             for step_name, step in (("forward", forward_step), ("train step", train_step)):
                 native.train(step is train_step), patched.train(step is train_step)
-                t_native, t_patched = alternate(lambda: step(native, input_ids), lambda: step(patched, input_ids),
-                                                repeats)
-                row = {"case": case, "tokens": length, "step": step_name, "native_ms": 1e3 * t_native,
-                       "patched_ms": 1e3 * t_patched, "ratio": t_patched / t_native}
-                print(f"{case:12s} {length:6d} {step_name:10s} native {row['native_ms']:9.1f} ms  "
-                      f"patched {row['patched_ms']:9.1f} ms  ratio {row['ratio']:.2f}", flush=True)
+                t_native, t_patched = alternate(
+                    functools.partial(step, native, input_ids), functools.partial(step, patched, input_ids), repeats
+                )
+                row = {
+                    "case": case,
+                    "tokens": length,
+                    "step": step_name,
+                    "native_ms": 1e3 * t_native,
+                    "patched_ms": 1e3 * t_patched,
+                    "ratio": t_patched / t_native,
+                }
+                print(
+                    f"{case:12s} {length:6d} {step_name:10s} native {row['native_ms']:9.1f} ms  "
+                    f"patched {row['patched_ms']:9.1f} ms  ratio {row['ratio']:.2f}",
+                    flush=True,
+                )
                 rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict], repeats: int) -> str:
-    lines = [f"Medians of {repeats} alternating runs, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-             "fp32, sdpa, batch 1; models: 4 layers, hidden 256, 8 heads (LLaMA: 2 kv heads).", "",
-             "| case | tokens | step | native ms | patched ms | patched / native |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['case']} | {r['tokens']} | {r['step']} | {r['native_ms']:.1f} | {r['patched_ms']:.1f} | "
-              f"{r['ratio']:.2f} |" for r in rows]
+    lines = [
+        f"Medians of {repeats} alternating runs, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        "fp32, sdpa, batch 1; models: 4 layers, hidden 256, 8 heads (LLaMA: 2 kv heads).",
+        "",
+        "| case | tokens | step | native ms | patched ms | patched / native |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['case']} | {r['tokens']} | {r['step']} | {r['native_ms']:.1f} | {r['patched_ms']:.1f} | "
+        f"{r['ratio']:.2f} |"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 """Regenerate the family x scheme support matrix in README.md from the registries.
 
-    python scripts/support_matrix.py          # rewrite the README section
-    python scripts/support_matrix.py --check  # exit 1 when the README is out of date (tests run this)
+python scripts/support_matrix.py          # rewrite the README section
+python scripts/support_matrix.py --check  # exit 1 when the README is out of date (tests run this)
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from transformers import (  # noqa: E402
+import pytest
+import torch
+from transformers import (
     BertConfig,
     BertForMaskedLM,
     GPT2Config,
@@ -18,7 +18,7 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
 )
 
-import hf_posswap as ps  # noqa: E402
+import hf_posswap as ps
 
 VOCAB = 96
 MAX_POSITIONS = 64
@@ -59,7 +59,7 @@ def make_model(family: str, attn: str = "sdpa", seed: int = 0) -> torch.nn.Modul
     model = MODEL_CLASSES[family](config).eval()
     # Randomise LayerNorm/bias terms and the lm head a little so that positions matter in logits.
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for _name, param in model.named_parameters():
             if param.dim() == 1:
                 param.add_(0.1 * torch.randn_like(param))
     return model

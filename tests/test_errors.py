@@ -6,10 +6,10 @@ import re
 
 import pytest
 import torch
+from conftest import make_model
 from transformers import OPTConfig, OPTForCausalLM
 
 import hf_posswap as ps
-from conftest import make_model
 from hf_posswap import edits
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import FAMILIES, SCHEMES, VOCAB, make_model, scheme_config
 
 import hf_posswap as ps
-from conftest import FAMILIES, SCHEMES, VOCAB, make_model, scheme_config
 
 
 def logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import SCHEMES, VOCAB, scheme_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_posswap as ps
-from conftest import SCHEMES, VOCAB, scheme_config
 
 LLAMA_LIKE = ["mistral", "qwen2", "qwen3"]
 

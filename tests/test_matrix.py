@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import hf_posswap as ps
 from conftest import (
     CAUSAL_FAMILIES,
     FAMILIES,
@@ -17,6 +15,8 @@ from conftest import (
     padding_position_ids,
     swapped,
 )
+
+import hf_posswap as ps
 
 MATRIX = [pytest.param(f, s, id=f"{f}-{s}") for f in FAMILIES for s in SCHEMES]
 CAUSAL_MATRIX = [pytest.param(f, s, id=f"{f}-{s}") for f in CAUSAL_FAMILIES for s in SCHEMES]
@@ -43,7 +43,7 @@ def test_forward_backward(family: str, scheme: str) -> None:
     loss = model(input_ids=input_ids, labels=input_ids).loss
     loss.backward()
     assert torch.isfinite(loss)
-    for name, shape, trainable in ps.describe(model).new_parameters:
+    for name, _shape, trainable in ps.describe(model).new_parameters:
         param = model.get_parameter(name)
         if trainable:
             assert param.grad is not None and torch.isfinite(param.grad).all(), name

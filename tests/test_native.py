@@ -8,9 +8,9 @@ import textwrap
 from pathlib import Path
 
 import torch
+from conftest import VOCAB, make_model
 
 import hf_posswap as ps
-from conftest import VOCAB, make_model
 
 
 def test_rope_swap_is_written_into_rope_parameters_and_reloads_in_vanilla_transformers(tmp_path: Path) -> None:

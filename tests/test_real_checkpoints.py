@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import SCHEMES
 
 import hf_posswap as ps
-from conftest import SCHEMES
 
 pytestmark = pytest.mark.slow
 

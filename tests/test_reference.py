@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
+from conftest import VOCAB, make_model
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import hf_posswap as ps
-from conftest import VOCAB, make_model
 from hf_posswap.families.llama import LlamaAdapter
 from hf_posswap.schemes import alibi_slopes, apply_rotary, relative_position_bucket, sinusoidal_table
 

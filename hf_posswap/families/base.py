@@ -46,8 +46,34 @@ class FamilyAdapter:
         """Whether an attention module is self-attention (schemes never touch cross-attention)."""
         return not getattr(module, "is_cross_attention", False)
 
+    def is_causal(self, config: Any) -> bool:
+        """Whether the family's self-attention is causal for this config."""
+        return True
+
     def spec(self, model: nn.Module) -> ModelSpec:
-        raise NotImplementedError
+        """Model facts read through transformers' standard config names (``attribute_map`` covers GPT-2's)."""
+        config = model.config
+        base = self.base_model(model)
+        dtype, device = parameter_dtype_device(base)
+        slot = self.absolute_slot(base)
+        table = getattr(getattr(slot[0], slot[1]), "weight", None) if slot is not None else None
+        rope = (getattr(config, "rope_parameters", None) or {}) if self.rotary_module_path else {}
+        heads = config.num_attention_heads
+        return ModelSpec(
+            model_type=config.model_type,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            is_causal=self.is_causal(config),
+            max_positions=getattr(config, "max_position_embeddings", None),
+            initializer_range=getattr(config, "initializer_range", 0.02),
+            native_rope_theta=rope.get("rope_theta"),
+            dtype=dtype,
+            device=device,
+            existing_table=table,
+        )
 
     # --- scheme support ----------------------------------------------------------------------------------------
     def native_rope_edits(self, model: nn.Module, config: RopeConfig) -> list[Edit] | None:

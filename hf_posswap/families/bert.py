@@ -9,8 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..schemes.base import ModelSpec
-from .base import FamilyAdapter, default_position_ids, parameter_dtype_device, register_family
+from .base import FamilyAdapter, default_position_ids, register_family
 
 
 @register_family
@@ -23,26 +22,8 @@ class BertAdapter(FamilyAdapter):
     def is_self_attention(self, module: nn.Module) -> bool:
         return "CrossAttention" not in type(module).__name__
 
-    def spec(self, model: nn.Module) -> ModelSpec:
-        config = model.config
-        base = self.base_model(model)
-        dtype, device = parameter_dtype_device(base)
-        table = getattr(base.embeddings.position_embeddings, "weight", None)
-        return ModelSpec(
-            model_type=config.model_type,
-            hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_attention_heads,
-            head_dim=config.hidden_size // config.num_attention_heads,
-            is_causal=bool(config.is_decoder),
-            max_positions=config.max_position_embeddings,
-            initializer_range=config.initializer_range,
-            native_rope_theta=None,
-            dtype=dtype,
-            device=device,
-            existing_table=table,
-        )
+    def is_causal(self, config: Any) -> bool:
+        return bool(config.is_decoder)
 
     def prepare_inputs(self, base: nn.Module, kwargs: dict[str, Any], query_offset: int) -> None:
         reference = kwargs.get("input_ids")
@@ -58,6 +39,5 @@ class BertAdapter(FamilyAdapter):
 
     def describe_native(self, model: nn.Module) -> str:
         return (
-            "learned absolute table (embeddings.position_embeddings, "
-            f"{model.config.max_position_embeddings} positions)"
+            f"learned absolute table (embeddings.position_embeddings, {model.config.max_position_embeddings} positions)"
         )

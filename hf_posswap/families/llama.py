@@ -3,23 +3,17 @@
 
 RoPE swaps are written into ``config.rope_parameters`` and the model's own rotary class is rebuilt from it, which
 is exactly what transformers builds from that config: such checkpoints load in vanilla transformers. Other
-schemes replace the rotary module by :class:`~hf_posswap.families.base.IdentityRotary` (cos = 1, sin = 0, an exact no-op).
+schemes replace the rotary module by :class:`~hf_posswap.families.base.IdentityRotary` (cos = 1, sin = 0,
+an exact no-op).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from ..edits import Edit, SetAttribute
-from ..schemes.base import ModelSpec
 from ..schemes.rope import RopeConfig
-from .base import FamilyAdapter, parameter_dtype_device, register_family
-
-
-def _head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+from .base import FamilyAdapter, register_family
 
 
 @register_family
@@ -28,25 +22,6 @@ class LlamaAdapter(FamilyAdapter):
     model_types = ("llama", "mistral", "qwen2", "qwen3")
     native_positions = "RoPE (model.rotary_emb, config.rope_parameters)"
     rotary_module_path = "rotary_emb"
-
-    def spec(self, model: nn.Module) -> ModelSpec:
-        config = model.config
-        dtype, device = parameter_dtype_device(self.base_model(model))
-        rope = getattr(config, "rope_parameters", None) or {}
-        return ModelSpec(
-            model_type=config.model_type,
-            hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-            head_dim=_head_dim(config),
-            is_causal=True,
-            max_positions=config.max_position_embeddings,
-            initializer_range=config.initializer_range,
-            native_rope_theta=rope.get("rope_theta"),
-            dtype=dtype,
-            device=device,
-        )
 
     def native_rope_edits(self, model: nn.Module, config: RopeConfig) -> list[Edit] | None:
         if config.partial_rotary_factor != 1.0:

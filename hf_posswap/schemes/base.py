@@ -118,7 +118,7 @@ def scheme_config_from_dict(data: dict[str, Any]) -> SchemeConfig:
 # Validation helpers: each raises InvalidConfigError naming the field, the bad value and what is allowed.
 
 
-def require_positive(owner: str, field: str, value: float | int) -> None:
+def require_positive(owner: str, field: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise InvalidConfigError(f"{owner}.{field} must be a positive finite number, got {value!r}.")
 
@@ -191,9 +191,7 @@ class NoPositions(AbsolutePositions):
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         # [B, L] -> [B, L, hidden]
-        return torch.zeros(
-            (*position_ids.shape, self.hidden_size), dtype=self.out_dtype, device=position_ids.device
-        )
+        return torch.zeros((*position_ids.shape, self.hidden_size), dtype=self.out_dtype, device=position_ids.device)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}"
