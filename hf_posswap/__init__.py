@@ -18,6 +18,7 @@ from .errors import (
     UnknownSchemeError,
     UnsupportedFamilyError,
 )
+from .extend import available_extension_methods, extend_context
 from .families import FamilyAdapter, register_family
 from .schemes import (
     AlibiConfig,
@@ -29,11 +30,29 @@ from .schemes import (
     T5BiasConfig,
     register_scheme,
 )
+from .schemes.rope_scaling import (
+    DynamicNTKScaling,
+    LinearScaling,
+    Llama3Scaling,
+    LongRopeScaling,
+    NTKScaling,
+    RopeScaling,
+    YarnScaling,
+)
 from .swap import available_schemes, supported_families, swap, unswap
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DynamicNTKScaling",
+    "LinearScaling",
+    "Llama3Scaling",
+    "LongRopeScaling",
+    "NTKScaling",
+    "RopeScaling",
+    "YarnScaling",
+    "available_extension_methods",
+    "extend_context",
     "AlibiConfig",
     "AlreadySwappedError",
     "FamilyAdapter",

@@ -103,7 +103,9 @@ def scheme_inputs(
     scheme = context.positions
     query_pos, key_pos = context.query_key_positions(query.shape[2], key.shape[2], query.device)
     if context.kind == "rotary":
-        return apply_rotary(query, *scheme(query_pos)), apply_rotary(key, *scheme(key_pos)), attention_mask
+        seq_len = context.query_offset + query.shape[2]  # the current length, for length-dependent scalings
+        query = apply_rotary(query, *scheme(query_pos, seq_len))
+        return query, apply_rotary(key, *scheme(key_pos, seq_len)), attention_mask
     if context.kind != "bias":
         return query, key, attention_mask
     layer_idx = getattr(module, "layer_idx", 0) or 0

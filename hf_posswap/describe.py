@@ -23,6 +23,7 @@ class PositionDescription:
     attn_implementation: str | None = None
     where: list[str] = field(default_factory=list)
     new_parameters: list[tuple[str, tuple[int, ...], bool]] = field(default_factory=list)
+    context: dict[str, Any] | None = None
 
     def __str__(self) -> str:
         lines = [f"{self.model_class} (family: {self.family or 'unsupported'})", f"  scheme: {self.scheme}"]
@@ -30,6 +31,13 @@ class PositionDescription:
             settings = ", ".join(f"{key}={value!r}" for key, value in self.settings.items())
             lines.append(f"  settings: {settings}")
         lines.append(f"  expressed natively by transformers: {'yes' if self.native else 'no'}")
+        if self.context:
+            lines.append(
+                f"  context: extended from {self.context['original_max_position_embeddings']} to "
+                f"{self.context['max_position_embeddings']} tokens with '{self.context['method']}'"
+            )
+            if self.context.get("cache_note"):
+                lines.append(f"    cache: {self.context['cache_note']}")
         if self.attn_implementation:
             lines.append(f"  attention implementation: {self.attn_implementation}")
         if self.where:
@@ -73,4 +81,24 @@ def describe(model: nn.Module) -> PositionDescription:
         attn_implementation=attn,
         where=[edit.where for edit in state.edits if edit.where],
         new_parameters=list(state.new_parameters),
+        context=_context(state),
     )
+
+
+def _context(state: Any) -> dict[str, Any] | None:
+    if not state.extension:
+        return None
+    context = dict(state.extension)
+    scaling = getattr(state.config, "scaling", None)
+    if scaling is not None and scaling.length_dependent:
+        context["cache_note"] = (
+            "the frequencies depend on the current length. "
+            + (
+                "Natively (LLaMA-like), keys already in the KV cache keep the frequencies they were rotated with, "
+                "so once a generation crosses the original length its cached keys differ from a full recompute."
+                if state.native
+                else "Rotated inside attention: cached keys are re-rotated each step, so generation with the KV "
+                "cache equals a full recompute."
+            )
+        )
+    return context

@@ -35,6 +35,10 @@ class SwapState:
     native: bool
     edits: list[Edit]
     new_parameters: list[tuple[str, tuple[int, ...], bool]] = field(default_factory=list)
+    #: set by ``extend_context``: method, original and current length, scaling parameters
+    extension: dict[str, Any] | None = None
+    #: the learned table's trained rows before any growth, so a second extension starts from them again
+    original_table: Any = None
 
 
 def available_schemes() -> list[str]:

@@ -109,6 +109,18 @@ class FamilyAdapter:
             )
         return edits
 
+    def length_edits(self, model: nn.Module, max_positions: int) -> list[Edit]:
+        """Edits that let the model take ``max_positions`` tokens: ``config.max_position_embeddings`` and any
+        position-sized buffers (BERT's). Used by ``extend_context``."""
+        return [
+            SetAttribute(
+                model.config,
+                "max_position_embeddings",
+                lambda: max_positions,
+                where=f"config.max_position_embeddings = {max_positions}",
+            )
+        ]
+
     def prepare_inputs(self, base: nn.Module, kwargs: dict[str, Any], query_offset: int) -> None:
         """Family fix-ups to the base model's forward kwargs, run by the position hook before every forward."""
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..edits import Edit, SetAttribute
 from .base import FamilyAdapter, default_position_ids, register_family
 
 
@@ -36,6 +37,25 @@ class BertAdapter(FamilyAdapter):
             kwargs["position_ids"] = default_position_ids(batch_size, length, query_offset, reference.device)
         if kwargs.get("token_type_ids") is None:
             kwargs["token_type_ids"] = torch.zeros(batch_size, length, dtype=torch.long, device=reference.device)
+
+    def length_edits(self, model: nn.Module, max_positions: int) -> list[Edit]:
+        embeddings = self.base_model(model).embeddings
+        device = embeddings.position_ids.device
+        return [
+            *super().length_edits(model, max_positions),
+            SetAttribute(
+                embeddings,
+                "position_ids",
+                lambda: torch.arange(max_positions, device=device).expand((1, -1)),
+                where=f"embeddings.position_ids buffer grown to {max_positions}",
+            ),
+            SetAttribute(
+                embeddings,
+                "token_type_ids",
+                lambda: torch.zeros((1, max_positions), dtype=torch.long, device=device),
+                where=f"embeddings.token_type_ids buffer grown to {max_positions}",
+            ),
+        ]
 
     def describe_native(self, model: nn.Module) -> str:
         return (

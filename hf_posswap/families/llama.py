@@ -29,7 +29,7 @@ class LlamaAdapter(FamilyAdapter):
         base = self.base_model(model)
         rotary_cls = type(base.rotary_emb)
         device = base.rotary_emb.inv_freq.device
-        rope_parameters = config.rope_parameters()
+        rope_parameters = config.rope_parameters(self.spec(model).head_dim)
         return [
             SetAttribute(
                 model.config,

@@ -156,7 +156,7 @@ class AbsolutePositions(nn.Module):
 
 
 class RotaryPositions(nn.Module):
-    """forward: positions [P] -> (cos, sin), each [P, rotary_dim], in HF's rotate-half layout.
+    """forward: (positions [P], current sequence length) -> (cos, sin), each [P, rotary_dim], rotate-half layout.
 
     Scheme modules are always *called* (never a method looked up on them), so wrappers such as peft's
     ``ModulesToSaveWrapper`` dispatch to the trained copy.
@@ -164,7 +164,7 @@ class RotaryPositions(nn.Module):
 
     rotary_dim: int
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
 

@@ -6,6 +6,7 @@ checkpoint. Frequencies: inv_freq_i = theta^(-2i/d) for i < d/2 (RoFormer eq. 15
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from .base import (
     require_fraction,
     require_positive,
 )
+from .rope_scaling import LongRopeScaling, RopeScaling, scaling_from_dict
 
 DEFAULT_ROPE_THETA = 10_000.0
 
@@ -46,22 +48,94 @@ def rotary_dim_for(head_dim: int, partial_rotary_factor: float) -> int:
 
 
 class RotaryEmbedding(RotaryPositions):
-    """cos/sin of ``position * inv_freq`` for the rotate-half layout, applied inside attention."""
+    """cos/sin of ``position * inv_freq`` for the rotate-half layout, applied inside attention.
 
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
+    Length-dependent scalings (dynamic NTK, LongRoPE) recompute ``inv_freq`` from ``rope_init`` for the current
+    sequence length on every forward; queries and all cached keys are rotated with the same frequencies, so cached
+    generation equals a full recompute.
+    """
+
+    def __init__(
+        self,
+        inv_freq: torch.Tensor,
+        attention_scaling: float = 1.0,
+        rope_init: Callable[[int], tuple[torch.Tensor, float]] | None = None,
+        original_length: int | None = None,
+    ) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
         self.attention_scaling = attention_scaling
         self.rotary_dim = 2 * inv_freq.shape[0]
+        self._rope_init = rope_init  # seq_len -> (inv_freq, attention_scaling), for length-dependent scalings
+        self.original_length = original_length
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [P] -> cos, sin [P, rotary_dim] (float32)
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]  # [P, r/2]
+    def frequencies(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
+        if self._rope_init is None or seq_len is None:
+            return self.inv_freq.to(device), self.attention_scaling
+        inv_freq, scaling = self._rope_init(seq_len)
+        return inv_freq.to(device), scaling
+
+    def forward(self, positions: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [P] -> cos, sin [P, rotary_dim] (float32); seq_len: the current sequence length
+        inv_freq, scaling = self.frequencies(seq_len, positions.device)
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [P, r/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [P, r]
-        return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
+        return angles.cos() * scaling, angles.sin() * scaling
 
     def extra_repr(self) -> str:
-        return f"rotary_dim={self.rotary_dim}, attention_scaling={self.attention_scaling}"
+        dynamic = ", length-dependent" if self._rope_init is not None else ""
+        return f"rotary_dim={self.rotary_dim}, attention_scaling={self.attention_scaling:.4g}{dynamic}"
+
+
+class _RopeConfigView:
+    """The attributes transformers' ``ROPE_INIT_FUNCTIONS`` read from a model config."""
+
+    def __init__(self, rope_parameters: dict[str, Any], head_dim: int, max_position_embeddings: int) -> None:
+        self.rope_parameters = rope_parameters
+        self.head_dim = head_dim
+        self.hidden_size = head_dim
+        self.num_attention_heads = 1
+        self.max_position_embeddings = max_position_embeddings
+
+    def standardize_rope_params(self) -> None:
+        """Already standard."""
+
+
+def rotary_from_rope_parameters(
+    rope_parameters: dict[str, Any], head_dim: int, max_position_embeddings: int, device: torch.device
+) -> RotaryEmbedding:
+    """Build the in-attention rotary module from transformers' own RoPE functions (``ROPE_INIT_FUNCTIONS``)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = rope_parameters["rope_type"]
+    rotary_dim = rotary_dim_for(head_dim, rope_parameters.get("partial_rotary_factor", 1.0))
+    if rope_type == "default":
+        return RotaryEmbedding(default_inv_freq(rope_parameters["rope_theta"], rotary_dim).to(device))
+    view = _RopeConfigView(rope_parameters, head_dim, max_position_embeddings)
+    init = ROPE_INIT_FUNCTIONS[rope_type]
+    inv_freq, scaling = init(view, device)
+    if rope_type == "dynamic":
+        original = max_position_embeddings
+        cache: dict[int, tuple[torch.Tensor, float]] = {}
+
+        def rope_init(seq_len: int) -> tuple[torch.Tensor, float]:
+            if seq_len <= original:
+                return inv_freq, scaling  # bit-identical to the unscaled RoPE at or below the original length
+            if seq_len not in cache:
+                cache.clear()
+                cache[seq_len] = init(view, device, seq_len=seq_len)
+            return cache[seq_len]
+
+        return RotaryEmbedding(inv_freq, scaling, rope_init, original)
+    if rope_type == "longrope":
+        original = rope_parameters["original_max_position_embeddings"]
+        long_inv_freq, long_scaling = init(view, device, seq_len=original + 1)
+
+        def rope_init(seq_len: int) -> tuple[torch.Tensor, float]:
+            return (long_inv_freq, long_scaling) if seq_len > original else (inv_freq, scaling)
+
+        return RotaryEmbedding(inv_freq, scaling, rope_init, original)
+    return RotaryEmbedding(inv_freq, float(scaling))
 
 
 def default_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
@@ -72,11 +146,13 @@ def default_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
 @register_scheme
 @dataclass
 class RopeConfig(SchemeConfig):
-    """Rotary position embeddings.
+    """Rotary position embeddings, optionally scaled for longer contexts.
 
     Args:
         rope_theta: the frequency base. ``None`` keeps the model's own base when it has RoPE, else 10000.
         partial_rotary_factor: fraction of each head's dims that are rotated (the rest carry no position).
+        scaling: a :class:`~hf_posswap.schemes.rope_scaling.RopeScaling` (``YarnScaling(factor=4.0)``, ...) or
+            ``None``. Its ``original_max_position_embeddings`` defaults to the model's trained length.
     """
 
     name = "rope"
@@ -85,24 +161,57 @@ class RopeConfig(SchemeConfig):
 
     rope_theta: float | None = None
     partial_rotary_factor: float = 1.0
+    scaling: RopeScaling | None = None
 
     def validate(self) -> None:
         if self.rope_theta is not None:
             require_positive("RopeConfig", "rope_theta", self.rope_theta)
         require_fraction("RopeConfig", "partial_rotary_factor", self.partial_rotary_factor)
+        if isinstance(self.scaling, dict):
+            self.scaling = scaling_from_dict(self.scaling)
+        if self.scaling is not None and not isinstance(self.scaling, RopeScaling):
+            raise InvalidConfigError(
+                f"RopeConfig.scaling must be a RopeScaling such as hf_posswap.YarnScaling(factor=4.0) or None, "
+                f"got {self.scaling!r}."
+            )
 
     def resolve(self, spec: ModelSpec) -> RopeConfig:
         theta = self.rope_theta
         if theta is None:
             theta = spec.native_rope_theta if spec.native_rope_theta is not None else DEFAULT_ROPE_THETA
-        return RopeConfig(rope_theta=float(theta), partial_rotary_factor=float(self.partial_rotary_factor))
+        scaling = self.scaling
+        if scaling is not None:
+            if spec.max_positions is None and scaling.original_max_position_embeddings is None:
+                raise InvalidConfigError(
+                    f"{type(scaling).__name__}.original_max_position_embeddings is needed: the model declares no "
+                    "trained length."
+                )
+            scaling = scaling.with_original(spec.max_positions)  # type: ignore[arg-type]
+            if isinstance(scaling, LongRopeScaling):
+                scaling.check_dim(rotary_dim_for(spec.head_dim, self.partial_rotary_factor))
+        return RopeConfig(
+            rope_theta=float(theta), partial_rotary_factor=float(self.partial_rotary_factor), scaling=scaling
+        )
 
-    def rope_parameters(self) -> dict[str, Any]:
+    @property
+    def original_length(self) -> int | None:
+        return self.scaling.original_max_position_embeddings if self.scaling is not None else None
+
+    def rope_parameters(self, head_dim: int) -> dict[str, Any]:
         """The ``config.rope_parameters`` dict transformers uses for this RoPE."""
-        params: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        theta = float(self.rope_theta or DEFAULT_ROPE_THETA)
+        if self.scaling is None:
+            params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+        else:
+            params = self.scaling.rope_parameters(theta, rotary_dim_for(head_dim, self.partial_rotary_factor))
         if self.partial_rotary_factor != 1.0:
             params["partial_rotary_factor"] = self.partial_rotary_factor
         return params
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["scaling"] = self.scaling.to_dict() if self.scaling is not None else None
+        return data
 
     def build(self, spec: ModelSpec) -> RotaryEmbedding:
         rotary_dim = rotary_dim_for(spec.head_dim, self.partial_rotary_factor)
@@ -111,5 +220,6 @@ class RopeConfig(SchemeConfig):
                 f"RopeConfig.partial_rotary_factor={self.partial_rotary_factor} rotates {rotary_dim} of "
                 f"{spec.head_dim} head dims; at least 2 are needed. Use a larger factor."
             )
-        inv_freq = default_inv_freq(float(self.rope_theta or DEFAULT_ROPE_THETA), rotary_dim)
-        return RotaryEmbedding(inv_freq.to(spec.device))
+        # dynamic NTK measures length against the original length (transformers uses max_position_embeddings)
+        length = self.original_length or spec.max_positions or 2048
+        return rotary_from_rope_parameters(self.rope_parameters(spec.head_dim), spec.head_dim, length, spec.device)

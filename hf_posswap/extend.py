@@ -1,0 +1,214 @@
+"""``extend_context``: run a checkpoint at a longer context than it was trained for.
+
+- RoPE models (LLaMA-like natively, or any model swapped to ``rope``): a RoPE scaling (``linear``, ``ntk``,
+  ``dynamic``, ``yarn``, ``longrope``, ``llama3``) written as a ``rope`` swap, so LLaMA-like checkpoints stay plain
+  transformers.
+- Learned absolute tables (GPT-2, BERT, or a ``learned`` swap): the table grows by ``interpolate`` (linear
+  interpolation of the trained vectors) or ``copy`` (the trained table repeated, as Longformer did).
+- ALiBi, T5, NoPE and sinusoidal have no length limit: ``lift`` only records the new length.
+
+Extending twice composes from the *original* length: the factor is always new length / original length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from .context import POSITIONS_ATTR
+from .edits import Edit, SetAttribute, apply_all
+from .errors import InvalidConfigError, InvalidOptionError
+from .families.base import FamilyAdapter, get_family
+from .schemes.base import SchemeConfig
+from .schemes.learned import LearnedConfig
+from .schemes.rope import RopeConfig
+from .schemes.rope_scaling import SCALING_REGISTRY
+from .swap import CONFIG_RECORD, SwapState, swap, swap_state
+
+TABLE_METHODS = ("interpolate", "copy")
+LIFT = "lift"
+
+
+def available_extension_methods() -> list[str]:
+    """Every ``method`` name ``extend_context`` accepts (which one a model takes depends on its scheme)."""
+    return [*SCALING_REGISTRY.names(), *TABLE_METHODS, LIFT]
+
+
+def extend_context(model: nn.Module, max_positions: int, method: str | None = None, **options: Any) -> nn.Module:
+    """Let ``model`` run at ``max_positions`` tokens; returns the same model object, changed in place.
+
+    Args:
+        model: a model of a supported family, swapped or not.
+        max_positions: the new context length; must not be shorter than the current one.
+        method: a RoPE scaling for RoPE models (default ``yarn``), ``interpolate`` / ``copy`` for learned tables
+            (default ``interpolate``), ``lift`` for schemes without a length limit (their default).
+        **options: the scaling's options (``factor`` defaults to max_positions / original length; ``beta_fast``,
+            ``short_factor``, ...).
+    """
+    adapter = get_family(model)
+    state = swap_state(model)
+    scheme = _current_scheme(model, adapter, state)
+    original, current = _lengths(model, state)
+    if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
+        raise InvalidConfigError(f"max_positions must be a positive integer, got {max_positions!r}.")
+    if max_positions < current:
+        raise InvalidConfigError(
+            f"max_positions={max_positions} is shorter than the model's current length {current}; extend_context "
+            "only lengthens. Pass a value >= the current length."
+        )
+    method = method or _default_method(scheme)
+    if method in SCALING_REGISTRY:
+        plan = _rope_plan(model, scheme, method, original, max_positions, options)
+    elif method in TABLE_METHODS:
+        plan = _table_plan(model, adapter, scheme, method, original, max_positions, options)
+    elif method == LIFT:
+        plan = _lift_plan(scheme, method, options)
+    else:
+        raise InvalidOptionError(
+            f"Unknown extension method '{method}'. Methods: {', '.join(available_extension_methods())}."
+        )
+    new_config, fill_table = plan
+    record = {"method": method, "original_max_position_embeddings": original, "max_position_embeddings": max_positions}
+    if isinstance(new_config, RopeConfig) and new_config.scaling is not None:
+        record["scaling"] = new_config.scaling.to_dict()
+    swap(model, new_config, replace=state is not None)
+    if fill_table is not None:
+        fill_table()
+    _apply_length_edits(model, adapter, method, original, max_positions, record)
+    return model
+
+
+# --- what the model carries ---------------------------------------------------------------------------------
+
+
+def _current_scheme(model: nn.Module, adapter: FamilyAdapter, state: SwapState | None) -> SchemeConfig | None:
+    """The scheme config the model carries; for an unswapped model, its native one (RoPE or learned)."""
+    if state is not None:
+        return state.config
+    if adapter.rotary_module_path is not None:
+        rope = getattr(model.config, "rope_parameters", None) or {}
+        return RopeConfig(rope_theta=rope.get("rope_theta"), partial_rotary_factor=1.0)
+    if adapter.absolute_table_path is not None:
+        return LearnedConfig()
+    return None
+
+
+def _lengths(model: nn.Module, state: SwapState | None) -> tuple[int, int]:
+    """(original trained length, current length)."""
+    extension = getattr(state, "extension", None)
+    if extension:
+        return extension["original_max_position_embeddings"], extension["max_position_embeddings"]
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    length = model.config.max_position_embeddings
+    return rope.get("original_max_position_embeddings", length), length
+
+
+def _default_method(scheme: SchemeConfig | None) -> str:
+    if isinstance(scheme, RopeConfig):
+        return "yarn"
+    if isinstance(scheme, LearnedConfig):
+        return "interpolate"
+    return LIFT
+
+
+# --- plans: (the scheme config to swap in, an optional step after the swap) ------------------------------------
+
+
+def _rope_plan(
+    model: nn.Module, scheme: SchemeConfig | None, method: str, original: int, max_positions: int, options: dict
+) -> tuple[SchemeConfig, None]:
+    if not isinstance(scheme, RopeConfig):
+        carried = scheme.name if scheme is not None else "no position scheme"
+        raise InvalidConfigError(
+            f"RoPE scaling '{method}' needs a model with RoPE, and this {type(model).__name__} carries "
+            f"{carried}. Swap to RoPE first: hf_posswap.swap(model, 'rope', replace=True), then extend."
+        )
+    options = {"factor": max_positions / original, "original_max_position_embeddings": original, **options}
+    scaling = SCALING_REGISTRY.get(method).from_options(**options)
+    return dataclasses.replace(scheme, scaling=scaling), None
+
+
+def _table_plan(
+    model: nn.Module,
+    adapter: FamilyAdapter,
+    scheme: SchemeConfig | None,
+    method: str,
+    original: int,
+    max_positions: int,
+    options: dict,
+) -> tuple[SchemeConfig, Any]:
+    if not isinstance(scheme, LearnedConfig):
+        carried = scheme.name if scheme is not None else "no position scheme"
+        raise InvalidConfigError(
+            f"'{method}' grows a learned position table, and this {type(model).__name__} carries {carried}. "
+            f"Use a RoPE scaling ({', '.join(SCALING_REGISTRY.names())}) for RoPE models, or 'lift' for schemes "
+            "without a length limit."
+        )
+    if options:
+        raise InvalidOptionError(f"Method '{method}' takes no options, got {sorted(options)}.")
+    state = swap_state(model)
+    trained = getattr(state, "original_table", None)
+    if trained is None:
+        trained = _learned_table(model, adapter).weight.detach()[:original].clone()  # [original, hidden]
+
+    def fill_table() -> None:
+        with torch.no_grad():
+            table = _learned_table(model, adapter).weight
+            table.copy_(grow_table(trained, max_positions, method).to(table.dtype))
+        swap_state(model).original_table = trained  # type: ignore[union-attr]
+
+    return LearnedConfig(max_positions=max_positions, keep_weights=True), fill_table
+
+
+def _learned_table(model: nn.Module, adapter: FamilyAdapter) -> nn.Module:
+    """The module holding the learned table: the family's slot, or the swapped-in module for slot-less families."""
+    base = adapter.base_model(model)
+    slot = adapter.absolute_slot(base)
+    return getattr(slot[0], slot[1]) if slot is not None else getattr(base, POSITIONS_ATTR)
+
+
+def _lift_plan(scheme: SchemeConfig | None, method: str, options: dict) -> tuple[SchemeConfig, None]:
+    if isinstance(scheme, (RopeConfig, LearnedConfig)) or scheme is None:
+        kind = "RoPE" if isinstance(scheme, RopeConfig) else "a learned table"
+        raise InvalidConfigError(
+            f"'lift' only records a longer length for schemes without a limit (alibi, t5, none, sinusoidal); this "
+            f"model has {kind}. Use {'a RoPE scaling such as yarn' if kind == 'RoPE' else 'interpolate or copy'}."
+        )
+    if options:
+        raise InvalidOptionError(f"Method 'lift' takes no options, got {sorted(options)}.")
+    return scheme, None
+
+
+def grow_table(trained: torch.Tensor, max_positions: int, method: str) -> torch.Tensor:
+    """[L0, hidden] -> [max_positions, hidden].
+
+    ``interpolate``: the trained vectors stretched over the new length (row i of the result is the linear
+    interpolation at i * (L0 - 1) / (N - 1)), the table analogue of position interpolation (Chen et al. 2023).
+    ``copy``: the trained table repeated, as Longformer initialised its 4096 positions (Beltagy et al. 2020, §5).
+    """
+    if method == "copy":
+        repeats = -(-max_positions // trained.shape[0])
+        return trained.repeat(repeats, 1)[:max_positions]
+    stretched = nn.functional.interpolate(
+        trained.T[None].float(), size=max_positions, mode="linear", align_corners=True
+    )  # [1, hidden, L0] -> [1, hidden, N]
+    return stretched[0].T.to(trained.dtype)
+
+
+def _apply_length_edits(
+    model: nn.Module, adapter: FamilyAdapter, method: str, original: int, max_positions: int, record: dict
+) -> None:
+    state = swap_state(model)
+    # transformers' dynamic NTK measures lengths against config.max_position_embeddings: keep the original there
+    config_length = original if method == "dynamic" else max_positions
+    edits: list[Edit] = adapter.length_edits(model, config_length)
+    posswap_record = {**getattr(model.config, CONFIG_RECORD, {}), "extension": record}
+    edits.append(
+        SetAttribute(model.config, CONFIG_RECORD, lambda: posswap_record, where=f"config.{CONFIG_RECORD}.extension")
+    )
+    apply_all(edits)
+    state.edits.extend(edits)  # type: ignore[union-attr]
+    state.extension = record  # type: ignore[union-attr]
