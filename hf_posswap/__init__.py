@@ -37,6 +37,7 @@ from .schemes.rope_scaling import (
     LongRopeScaling,
     NTKScaling,
     RopeScaling,
+    SelfExtend,
     YarnScaling,
 )
 from .swap import available_schemes, supported_families, swap, unswap
@@ -50,6 +51,7 @@ __all__ = [
     "LongRopeScaling",
     "NTKScaling",
     "RopeScaling",
+    "SelfExtend",
     "YarnScaling",
     "available_extension_methods",
     "extend_context",

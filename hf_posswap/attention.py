@@ -24,6 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from .context import CONTEXT_KWARG, PositionContext
 from .schemes.rope import apply_rotary
+from .self_extend import self_extend_attention
 
 EAGER = "posswap_eager"
 SDPA = "posswap_sdpa"
@@ -129,6 +130,13 @@ def scheme_inputs(
     return query, key, merged
 
 
+def _needs_self_extend(module: nn.Module, query: torch.Tensor, context: PositionContext | None) -> bool:
+    """Self-Extend runs only past the original length, and only in self-attention."""
+    if context is None or context.self_extend is None or not context.is_self_attention(module):
+        return False
+    return context.query_offset + query.shape[2] > context.self_extend[2]
+
+
 def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> Callable[..., Any]:
     def posswap_attention(
         module: nn.Module,
@@ -139,6 +147,8 @@ def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> 
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         context = kwargs.pop(CONTEXT_KWARG, None)
+        if _needs_self_extend(module, query, context):
+            return self_extend_attention(module, query, key, value, attention_mask, context, **kwargs)
         query, key, attention_mask = scheme_inputs(module, query, key, attention_mask, context)
         return inner(module, query, key, value, attention_mask, **kwargs)
 

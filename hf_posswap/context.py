@@ -36,6 +36,8 @@ class PositionContext:
     query_offset: int
     is_self_attention: Callable[[nn.Module], bool]
     layer_shared: bool = True
+    #: (group size, neighbour window, original length) when Self-Extend is on
+    self_extend: tuple[int, int, int] | None = None
     #: per-forward memo for gradient-free intermediates shared across layers (bucket ids, merged masks)
     memo: dict = field(default_factory=dict)
 
@@ -61,9 +63,16 @@ class PositionHook:
     """Forward pre-hook (``with_kwargs=True``) installed on the base model by ``swap``."""
 
     def __init__(
-        self, adapter: FamilyAdapter, kind: str, adds_absolute: bool, feeds_attention: bool, layer_shared: bool = True
+        self,
+        adapter: FamilyAdapter,
+        kind: str,
+        adds_absolute: bool,
+        feeds_attention: bool,
+        layer_shared: bool = True,
+        self_extend: tuple[int, int, int] | None = None,
     ) -> None:
         self.adapter = adapter
+        self.self_extend = self_extend
         self.kind = kind
         self.layer_shared = layer_shared
         self.adds_absolute = adds_absolute
@@ -81,7 +90,12 @@ class PositionHook:
             self._add_absolute(base, positions, kwargs, query_offset)
         if self.feeds_attention:
             kwargs[CONTEXT_KWARG] = PositionContext(
-                positions, self.kind, query_offset, self.adapter.is_self_attention, self.layer_shared
+                positions,
+                self.kind,
+                query_offset,
+                self.adapter.is_self_attention,
+                self.layer_shared,
+                self.self_extend,
             )
         return (), kwargs
 

@@ -91,14 +91,25 @@ def _context(state: Any) -> dict[str, Any] | None:
     context = dict(state.extension)
     scaling = getattr(state.config, "scaling", None)
     if scaling is not None and scaling.length_dependent:
-        context["cache_note"] = (
-            "the frequencies depend on the current length. "
-            + (
-                "Natively (LLaMA-like), keys already in the KV cache keep the frequencies they were rotated with, "
-                "so once a generation crosses the original length its cached keys differ from a full recompute."
-                if state.native
-                else "Rotated inside attention: cached keys are re-rotated each step, so generation with the KV "
-                "cache equals a full recompute."
-            )
-        )
+        context["cache_note"] = _cache_note(scaling.method, state.native)
     return context
+
+
+def _cache_note(method: str, native: bool) -> str:
+    """What happens with the KV cache for a length-dependent method (tested in tests/test_extend.py)."""
+    if method == "self_extend":
+        return (
+            "grouped attention switches on once the length exceeds the original one. Tokens already in the KV cache "
+            "kept the hidden states computed before the switch, so once a generation crosses the original length "
+            "its cached states differ from a full recompute (which groups every token)."
+        )
+    if native:
+        return (
+            "the frequencies depend on the current length. Natively (LLaMA-like), keys already in the KV cache keep "
+            "the frequencies they were rotated with, so once a generation crosses the original length its cached "
+            "keys differ from a full recompute."
+        )
+    return (
+        "the frequencies depend on the current length. Rotated inside attention: cached keys are re-rotated each "
+        "step, so generation with the KV cache equals a full recompute."
+    )

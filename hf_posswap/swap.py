@@ -20,6 +20,7 @@ from .errors import AlreadySwappedError, IncompatibleAttentionError, InvalidOpti
 from .families.base import FamilyAdapter, get_family
 from .schemes.base import SCHEME_REGISTRY, ModelSpec, SchemeConfig
 from .schemes.rope import RopeConfig
+from .schemes.rope_scaling import SelfExtend
 
 STATE_ATTR = "_posswap_state"
 CONFIG_RECORD = "posswap"
@@ -170,10 +171,18 @@ def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: 
         adds_absolute=config.kind == "absolute" and slot is None,
         feeds_attention=in_attention,
         layer_shared=config.layer_shared,
+        self_extend=_self_extend_settings(config),
     )
     edits.append(AddForwardPreHook(base, hook, where=f"forward pre-hook on {type(base).__name__}"))
     edits.append(record_edit)
     return edits, False
+
+
+def _self_extend_settings(config: SchemeConfig) -> tuple[int, int, int] | None:
+    scaling = getattr(config, "scaling", None)
+    if not isinstance(scaling, SelfExtend):
+        return None
+    return scaling.group_size, scaling.neighbor_window, scaling.original_max_position_embeddings  # type: ignore[return-value]
 
 
 def _short(module: nn.Module) -> str:

@@ -36,7 +36,8 @@ METHODS = ["linear", "ntk", "dynamic", "yarn", "longrope", "llama3"]
 def reference(method: str, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """transformers' own frequencies for the same RoPE on a LLaMA config (theta 1e4, head_dim 16, original 64)."""
     max_positions = MAX_POSITIONS if method == "dynamic" else 4 * MAX_POSITIONS
-    config = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=HEAD_DIM, max_position_embeddings=max_positions,
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=HEAD_DIM,
+                         max_position_embeddings=max_positions,
                          rope_parameters={"rope_theta": 10_000.0, **EXPECTED[method]})
     return ROPE_INIT_FUNCTIONS[EXPECTED[method]["rope_type"]](config, None, seq_len=seq_len)
 
@@ -97,7 +98,7 @@ def generate_logits(model, input_ids, use_cache: bool) -> torch.Tensor:
     return torch.stack(out.logits, 1)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [*METHODS, "self_extend"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"], ids=["native", "in-attention"])
 def test_cached_generation_past_the_original_length(family: str, method: str) -> None:
     """Prompt inside the original 64 tokens, generation crossing it. Where the cache cannot match a recompute
@@ -111,9 +112,10 @@ def test_cached_generation_past_the_original_length(family: str, method: str) ->
     inside = 8  # steps whose length is still within the original 64
     torch.testing.assert_close(cached[:, :inside], full[:, :inside], atol=1e-5, rtol=1e-4)
     note = ps.describe(model).context.get("cache_note", "")
-    if method in ("dynamic", "longrope") and family == "llama":
+    if (method in ("dynamic", "longrope") and family == "llama") or method == "self_extend":
         assert "differ from a full recompute" in note
-        assert not torch.allclose(cached[:, inside + 1:], full[:, inside + 1:], atol=1e-4)
+        if family == "llama":
+            assert not torch.allclose(cached[:, inside + 1:], full[:, inside + 1:], atol=1e-4)
     else:
         assert "differ" not in note
         torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-4)
@@ -177,7 +179,8 @@ def test_extended_llama_checkpoints_reload_in_vanilla_transformers(tmp_path: Pat
 def test_grow_table_interpolate_and_copy() -> None:
     trained = torch.arange(12.0).reshape(4, 3)  # 4 positions, hidden 3
     copied = grow_table(trained, 10, "copy")
-    assert torch.equal(copied[:4], trained) and torch.equal(copied[4:8], trained) and torch.equal(copied[8:], trained[:2])
+    assert torch.equal(copied[:4], trained) and torch.equal(copied[4:8], trained)
+    assert torch.equal(copied[8:], trained[:2])
     stretched = grow_table(trained, 7, "interpolate")  # positions 0, 0.5, 1, ... 3 of the trained table
     assert torch.equal(stretched[0], trained[0]) and torch.equal(stretched[-1], trained[-1])
     torch.testing.assert_close(stretched[1], (trained[0] + trained[1]) / 2)
@@ -227,7 +230,8 @@ def test_schemes_without_a_limit_lift_it(scheme: str) -> None:
         (None, (256, "longrope"), {"short_factor": [1.0] * 8, "long_factor": [1.0] * 7}, ps.InvalidConfigError,
          r"short_factor has 8 entries and long_factor 7"),
         (None, (256, "yarnn"), {}, ps.InvalidOptionError, r"Unknown extension method 'yarnn'. Methods: linear"),
-        (None, (256, "yarn"), {"beta_fst": 2}, ps.InvalidOptionError, r"has no option 'beta_fst'.*Did you mean 'beta_fast'"),
+        (None, (256, "yarn"), {"beta_fst": 2}, ps.InvalidOptionError,
+         r"has no option 'beta_fst'.*Did you mean 'beta_fast'"),
         (None, (256, "copy"), {}, ps.InvalidConfigError, r"'copy' grows a learned position table.*carries rope"),
         (None, (256, "lift"), {}, ps.InvalidConfigError, r"'lift' only records a longer length.*this model has RoPE"),
         (None, (0, "yarn"), {}, ps.InvalidConfigError, r"max_positions must be a positive integer, got 0"),
@@ -243,3 +247,54 @@ def test_extension_errors_leave_the_model_untouched(setup, args, options, error,
     with pytest.raises(error, match=message):
         ps.extend_context(model, *args, **options)
     assert_untouched(model, before)
+
+
+def test_self_extend_leaves_inputs_within_the_original_length_unchanged() -> None:
+    model, plain = make_model("llama"), make_model("llama")
+    ps.extend_context(model, 4 * MAX_POSITIONS, "self_extend", neighbor_window=16)
+    assert ps.describe(model).settings["scaling"]["group_size"] == 5  # (64 - 16) * 5 + 16 = 256
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids(MAX_POSITIONS)).logits, plain(input_ids=ids(MAX_POSITIONS)).logits)
+        longer = ids(3 * MAX_POSITIONS)
+        assert not torch.allclose(model(input_ids=longer).logits, plain(input_ids=longer).logits, atol=1e-4)
+
+
+def test_self_extend_attention_uses_the_papers_grouped_distances() -> None:
+    """Each logit equals q rotated by the Self-Extend relative distance, dotted with the unrotated key:
+    d = i - j within the window W, else (i // G + W - W // G) - j // G (Jin et al. 2024, Algorithm 1)."""
+    from hf_posswap.context import PositionContext
+    from hf_posswap.schemes.rope import apply_rotary
+    from hf_posswap.self_extend import self_extend_attention
+
+    group, window, length, head_dim = 3, 4, 20, 8
+    rotary = ps.RopeConfig(rope_theta=100.0).build(_spec(head_dim))
+    context = PositionContext(rotary, "rotary", 0, lambda module: True, True, (group, window, 8))
+    query, key, value = torch.randn(1, 1, length, head_dim), torch.randn(1, 1, length, head_dim), torch.eye(length)
+    module = torch.nn.Module()
+    _, weights = self_extend_attention(module, query, key, value[None, None, :, :head_dim].expand(1, 1, -1, -1),
+                                       None, context, scaling=1.0)
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    distance = torch.where(i - j < window, i - j, (i // group + window - window // group) - j // group)
+    expected = torch.full((length, length), float("-inf"))
+    for a in range(length):
+        for b in range(a + 1):
+            cos, sin = rotary(distance[a, b].reshape(1))
+            expected[a, b] = (apply_rotary(query[:, :, a:a + 1], cos, sin) * key[:, :, b:b + 1]).sum()
+    torch.testing.assert_close(weights[0, 0], expected.softmax(-1), atol=1e-5, rtol=1e-4)
+
+
+def test_self_extend_group_too_small_is_refused() -> None:
+    model = make_model("llama")
+    before = fingerprint(model)
+    with pytest.raises(ps.InvalidConfigError, match=r"SelfExtend with group_size=2 and neighbor_window=16 reaches "
+                       r"112 tokens, short of 256; use group_size >= 5"):
+        ps.extend_context(model, 4 * MAX_POSITIONS, "self_extend", group_size=2)
+    assert_untouched(model, before)
+
+
+def _spec(head_dim: int):
+    return ps.schemes.ModelSpec(
+        model_type="test", hidden_size=head_dim, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=head_dim,
+        is_causal=True, max_positions=64, initializer_range=0.02, native_rope_theta=None, dtype=torch.float32,
+        device=torch.device("cpu"),
+    )

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..edits import Edit, SetAttribute
 from ..schemes.rope import RopeConfig
+from ..schemes.rope_scaling import SelfExtend
 from .base import FamilyAdapter, register_family
 
 
@@ -26,6 +27,8 @@ class LlamaAdapter(FamilyAdapter):
     def native_rope_edits(self, model: nn.Module, config: RopeConfig) -> list[Edit] | None:
         if config.partial_rotary_factor != 1.0:
             return None  # LLaMA's apply_rotary_pos_emb rotates whole heads; partial RoPE goes in attention
+        if isinstance(config.scaling, SelfExtend):
+            return None  # grouped positions need unrotated cached keys: RoPE goes in attention
         base = self.base_model(model)
         rotary_cls = type(base.rotary_emb)
         device = base.rotary_emb.inv_freq.device

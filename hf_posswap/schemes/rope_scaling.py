@@ -256,3 +256,54 @@ class Llama3Scaling(RopeScaling):
             "low_freq_factor": float(self.low_freq_factor),
             "high_freq_factor": float(self.high_freq_factor),
         }
+
+
+@register_scaling
+@dataclass
+class SelfExtend(RopeScaling):
+    """Self-Extend (Jin et al. 2024, "LLM Maybe LongLM", arXiv:2401.01325): training-free grouped attention.
+
+    Keys within ``neighbor_window`` of the query keep their exact relative positions; farther keys use grouped
+    positions floor(pos / group_size), shifted so grouped distances continue where the window ends. Reachable
+    length: (L0 - W) * G + W. Inputs no longer than the original length run exactly as without it. RoPE is applied
+    inside attention (cached keys are stored unrotated), so it never is native transformers.
+
+    Args:
+        group_size: G; ``None`` picks the smallest G that reaches the target length.
+        neighbor_window: W; ``None`` uses a quarter of the original length.
+    """
+
+    method = "self_extend"
+    paper = "Jin et al. 2024, LLM Maybe LongLM: Self-Extend (arXiv:2401.01325)"
+    length_dependent = True
+
+    group_size: int | None = None
+    neighbor_window: int | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        if self.group_size is not None:
+            require_int_at_least("SelfExtend", "group_size", self.group_size, 1)
+        if self.neighbor_window is not None:
+            require_int_at_least("SelfExtend", "neighbor_window", self.neighbor_window, 1)
+
+    def with_original(self, original: int) -> SelfExtend:
+        scaled = super().with_original(original)
+        original = scaled.original_max_position_embeddings  # type: ignore[assignment]
+        window = scaled.neighbor_window if scaled.neighbor_window is not None else max(original // 4, 1)
+        if window >= original:
+            raise InvalidConfigError(
+                f"SelfExtend.neighbor_window={window} must be shorter than the original length {original}."
+            )
+        target = math.ceil(scaled.factor * original)
+        group = scaled.group_size or max(math.ceil((target - window) / (original - window)), 1)
+        reach = (original - window) * group + window
+        if reach < target:
+            raise InvalidConfigError(
+                f"SelfExtend with group_size={group} and neighbor_window={window} reaches {reach} tokens, short of "
+                f"{target}; use group_size >= {math.ceil((target - window) / (original - window))}."
+            )
+        return dataclasses.replace(scaled, group_size=group, neighbor_window=window)
+
+    def rope_parameters(self, rope_theta: float, rotary_dim: int) -> dict[str, Any]:
+        return {"rope_type": "default", "rope_theta": rope_theta}
