@@ -93,3 +93,43 @@ def test_example_script_runs(minilm, smollm2) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "MiniLM   none: cosine('the dog bit the man', 'the man bit the dog') = 1.0000" in result.stdout
     assert "identical logits: True" in result.stdout
+
+
+def test_smollm2_extended_with_yarn_reloads_in_vanilla_transformers(smollm2, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    model, tokenizer = smollm2
+    input_ids = tokenizer("def main():\n    return 0\n", return_tensors="pt")["input_ids"]
+    ps.extend_context(model, 32_768, "yarn")
+    try:
+        assert model.config.rope_parameters["factor"] == 4.0
+        with torch.no_grad():
+            expected = model(input_ids=input_ids).logits
+        model.save_pretrained(tmp_path / "ckpt")
+    finally:
+        ps.unswap(model)
+    torch.save({"input_ids": input_ids, "expected": expected}, tmp_path / "io.pt")
+    script = (
+        "import sys; sys.modules['hf_posswap'] = None\n"
+        "import torch\nfrom transformers import AutoModelForCausalLM\n"
+        f"data = torch.load({str(tmp_path / 'io.pt')!r})\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r}).eval()\n"
+        "with torch.no_grad():\n    logits = model(input_ids=data['input_ids']).logits\n"
+        "assert torch.equal(logits, data['expected'])\nprint('VANILLA_OK', model.config.rope_parameters['rope_type'])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert "VANILLA_OK yarn" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("method", ["interpolate", "copy"])
+def test_minilm_table_grows_past_512(minilm, method: str) -> None:
+    model, _ = minilm
+    ps.extend_context(model, 1024, method)
+    try:
+        with torch.no_grad():
+            hidden = model(input_ids=torch.randint(1000, 2000, (1, 900))).last_hidden_state
+        assert torch.isfinite(hidden).all() and hidden.shape[1] == 900
+    finally:
+        ps.unswap(model)
+    assert model.config.max_position_embeddings == 512
