@@ -44,6 +44,10 @@ from .swap import available_schemes, supported_families, swap, unswap
 
 __version__ = "0.1.0"
 
+from .autoload import register_auto_classes as _register_auto_classes  # noqa: E402
+
+_register_auto_classes(supported_families())
+
 __all__ = [
     "DynamicNTKScaling",
     "LinearScaling",

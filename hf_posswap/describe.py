@@ -57,7 +57,7 @@ class PositionDescription:
 def describe(model: nn.Module) -> PositionDescription:
     """Describe the position mechanism of ``model`` (swapped or not)."""
     config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
+    model_type = getattr(config, "posswap_base_model_type", None) or getattr(config, "model_type", None)
     adapter = FAMILY_REGISTRY.get(model_type) if model_type in FAMILY_REGISTRY else None
     attn = getattr(config, "_attn_implementation", None)
     state = swap_state(model)

@@ -55,6 +55,21 @@ class SetAttribute(Edit):
             setattr(self.owner, self.attr, self._old)
 
 
+class SetConfigClass(Edit):
+    """Give ``config`` the hf_posswap subclass of its class (so it saves as ``hf_posswap_<type>``); revert to the
+    family's own class (also for a config that was loaded as the hf_posswap subclass)."""
+
+    def __init__(self, config: Any, new_class: type, base_class: type) -> None:
+        self.config, self.new_class, self.base_class = config, new_class, base_class
+        self.where = f"config class {base_class.__name__} -> {new_class.__name__} (model_type {new_class.model_type})"
+
+    def apply(self) -> None:
+        self.config.__class__ = self.new_class
+
+    def revert(self) -> None:
+        self.config.__class__ = self.base_class
+
+
 class SetAttentionImplementation(Edit):
     """Switch ``model.set_attn_implementation`` to a registered implementation, and back."""
 

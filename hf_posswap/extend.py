@@ -212,3 +212,17 @@ def _apply_length_edits(
     apply_all(edits)
     state.edits.extend(edits)  # type: ignore[union-attr]
     state.extension = record  # type: ignore[union-attr]
+
+
+def replay_extension(model: nn.Module, record: dict[str, Any]) -> None:
+    """Re-apply a recorded extension's lengths on a model whose scheme was just restored (scaling and table sizes
+    are in the scheme record itself)."""
+    try:
+        method = record["method"]
+        original = int(record["original_max_position_embeddings"])
+        max_positions = int(record["max_position_embeddings"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise InvalidConfigError(
+            f"The checkpoint's config.posswap.extension record is malformed: {record!r}"
+        ) from error
+    _apply_length_edits(model, get_family(model), method, original, max_positions, dict(record))

@@ -14,8 +14,17 @@ from typing import Any
 from torch import nn
 
 from .attention import CARRIERS
+from .autoload import posswap_config_class
 from .context import POSITIONS_ATTR, PositionHook
-from .edits import AddForwardPreHook, Edit, SetAttentionImplementation, SetAttribute, apply_all, revert_all
+from .edits import (
+    AddForwardPreHook,
+    Edit,
+    SetAttentionImplementation,
+    SetAttribute,
+    SetConfigClass,
+    apply_all,
+    revert_all,
+)
 from .errors import AlreadySwappedError, IncompatibleAttentionError, InvalidOptionError, NotSwappedError
 from .families.base import FamilyAdapter, get_family
 from .schemes.base import SCHEME_REGISTRY, ModelSpec, SchemeConfig
@@ -175,7 +184,14 @@ def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: 
     )
     edits.append(AddForwardPreHook(base, hook, where=f"forward pre-hook on {type(base).__name__}"))
     edits.append(record_edit)
+    edits.append(_config_class_edit(model.config))
     return edits, False
+
+
+def _config_class_edit(config: Any) -> Edit:
+    """Non-native swaps save as model_type ``hf_posswap_<type>`` (see ``hf_posswap.autoload``)."""
+    base_class = getattr(type(config), "posswap_base_config_class", type(config))
+    return SetConfigClass(config, posswap_config_class(base_class), base_class)
 
 
 def _self_extend_settings(config: SchemeConfig) -> tuple[int, int, int] | None:

@@ -162,7 +162,7 @@ def register_family(cls: type[FamilyAdapter]) -> type[FamilyAdapter]:
 def get_family(model: nn.Module) -> FamilyAdapter:
     """The adapter for ``model.config.model_type``, or an error naming the type and listing supported ones."""
     config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
+    model_type = getattr(config, "posswap_base_model_type", None) or getattr(config, "model_type", None)
     if model_type is None:
         raise UnsupportedFamilyError(
             f"{type(model).__name__} has no `config.model_type`; hf_posswap works on Hugging Face transformers "

@@ -6,7 +6,6 @@ checkpoint. Frequencies: inv_freq_i = theta^(-2i/d) for i < d/2 (RoFormer eq. 15
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,30 +49,46 @@ def rotary_dim_for(head_dim: int, partial_rotary_factor: float) -> int:
 class RotaryEmbedding(RotaryPositions):
     """cos/sin of ``position * inv_freq`` for the rotate-half layout, applied inside attention.
 
-    Length-dependent scalings (dynamic NTK, LongRoPE) recompute ``inv_freq`` from ``rope_init`` for the current
-    sequence length on every forward; queries and all cached keys are rotated with the same frequencies, so cached
-    generation equals a full recompute.
+    Frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS`` for ``rope_parameters``. ``inv_freq`` is a
+    persistent buffer, so checkpoints carry it. Length-dependent scalings (dynamic NTK, LongRoPE) recompute the
+    frequencies for the current sequence length on every forward; queries and all cached keys are rotated with
+    the same frequencies, so cached generation equals a full recompute.
     """
 
-    def __init__(
-        self,
-        inv_freq: torch.Tensor,
-        attention_scaling: float = 1.0,
-        rope_init: Callable[[int], tuple[torch.Tensor, float]] | None = None,
-        original_length: int | None = None,
-    ) -> None:
+    def __init__(self, rope_parameters: dict[str, Any], head_dim: int, original_length: int) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
-        self.attention_scaling = attention_scaling
+        self.rope_parameters = dict(rope_parameters)
+        self.head_dim = head_dim
+        self.original_length = original_length  # dynamic NTK and LongRoPE switch at this length
+        inv_freq, self.attention_scaling = self._init(None, None)
+        self.register_buffer("inv_freq", inv_freq.to(torch.float32))
         self.rotary_dim = 2 * inv_freq.shape[0]
-        self._rope_init = rope_init  # seq_len -> (inv_freq, attention_scaling), for length-dependent scalings
-        self.original_length = original_length
+        self._length_cache: tuple[int, torch.device, torch.Tensor, float] | None = None
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope_parameters["rope_type"]
+
+    def _init(self, device: torch.device | None, seq_len: int | None) -> tuple[torch.Tensor, float]:
+        if self.rope_type == "default":
+            rotary_dim = rotary_dim_for(self.head_dim, self.rope_parameters.get("partial_rotary_factor", 1.0))
+            return default_inv_freq(self.rope_parameters["rope_theta"], rotary_dim).to(device), 1.0
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        view = _RopeConfigView(self.rope_parameters, self.head_dim, self.original_length)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](view, device, seq_len=seq_len)
+        return inv_freq, float(scaling)
 
     def frequencies(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
-        if self._rope_init is None or seq_len is None:
-            return self.inv_freq.to(device), self.attention_scaling
-        inv_freq, scaling = self._rope_init(seq_len)
-        return inv_freq.to(device), scaling
+        """inv_freq [rotary_dim / 2] and the attention factor for the current sequence length."""
+        length_dependent = self.rope_type in ("dynamic", "longrope")
+        if not length_dependent or seq_len is None or seq_len <= self.original_length:
+            return self.inv_freq.to(device), self.attention_scaling  # at or below L0: exactly the unscaled values
+        key = seq_len if self.rope_type == "dynamic" else self.original_length + 1  # longrope: one long set
+        if self._length_cache is None or self._length_cache[:2] != (key, device):
+            inv_freq, scaling = self._init(device, key)
+            self._length_cache = (key, device, inv_freq.to(device, torch.float32), scaling)
+        return self._length_cache[2], self._length_cache[3]
 
     def forward(self, positions: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [P] -> cos, sin [P, rotary_dim] (float32); seq_len: the current sequence length
@@ -83,8 +98,9 @@ class RotaryEmbedding(RotaryPositions):
         return angles.cos() * scaling, angles.sin() * scaling
 
     def extra_repr(self) -> str:
-        dynamic = ", length-dependent" if self._rope_init is not None else ""
-        return f"rotary_dim={self.rotary_dim}, attention_scaling={self.attention_scaling:.4g}{dynamic}"
+        return (
+            f"rope_type={self.rope_type}, rotary_dim={self.rotary_dim}, attention_scaling={self.attention_scaling:.4g}"
+        )
 
 
 class _RopeConfigView:
@@ -99,43 +115,6 @@ class _RopeConfigView:
 
     def standardize_rope_params(self) -> None:
         """Already standard."""
-
-
-def rotary_from_rope_parameters(
-    rope_parameters: dict[str, Any], head_dim: int, max_position_embeddings: int, device: torch.device
-) -> RotaryEmbedding:
-    """Build the in-attention rotary module from transformers' own RoPE functions (``ROPE_INIT_FUNCTIONS``)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    rope_type = rope_parameters["rope_type"]
-    rotary_dim = rotary_dim_for(head_dim, rope_parameters.get("partial_rotary_factor", 1.0))
-    if rope_type == "default":
-        return RotaryEmbedding(default_inv_freq(rope_parameters["rope_theta"], rotary_dim).to(device))
-    view = _RopeConfigView(rope_parameters, head_dim, max_position_embeddings)
-    init = ROPE_INIT_FUNCTIONS[rope_type]
-    inv_freq, scaling = init(view, device)
-    if rope_type == "dynamic":
-        original = max_position_embeddings
-        cache: dict[int, tuple[torch.Tensor, float]] = {}
-
-        def rope_init(seq_len: int) -> tuple[torch.Tensor, float]:
-            if seq_len <= original:
-                return inv_freq, scaling  # bit-identical to the unscaled RoPE at or below the original length
-            if seq_len not in cache:
-                cache.clear()
-                cache[seq_len] = init(view, device, seq_len=seq_len)
-            return cache[seq_len]
-
-        return RotaryEmbedding(inv_freq, scaling, rope_init, original)
-    if rope_type == "longrope":
-        original = rope_parameters["original_max_position_embeddings"]
-        long_inv_freq, long_scaling = init(view, device, seq_len=original + 1)
-
-        def rope_init(seq_len: int) -> tuple[torch.Tensor, float]:
-            return (long_inv_freq, long_scaling) if seq_len > original else (inv_freq, scaling)
-
-        return RotaryEmbedding(inv_freq, scaling, rope_init, original)
-    return RotaryEmbedding(inv_freq, float(scaling))
 
 
 def default_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
@@ -222,4 +201,4 @@ class RopeConfig(SchemeConfig):
             )
         # dynamic NTK measures length against the original length (transformers uses max_position_embeddings)
         length = self.original_length or spec.max_positions or 2048
-        return rotary_from_rope_parameters(self.rope_parameters(spec.head_dim), spec.head_dim, length, spec.device)
+        return RotaryEmbedding(self.rope_parameters(spec.head_dim), spec.head_dim, length).to(spec.device)

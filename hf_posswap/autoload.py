@@ -1,0 +1,139 @@
+"""Checkpoints of swapped models that reload right.
+
+A swap that transformers cannot express natively changes the class of ``model.config`` to a registered subclass
+whose ``model_type`` is ``hf_posswap_<family>`` (e.g. ``hf_posswap_gpt2``), so ``save_pretrained`` writes that
+model type plus the ``posswap`` record. Then:
+
+- with hf_posswap imported, ``AutoModelFor*.from_pretrained(dir)`` finds the registered subclasses, whose
+  ``__init__`` builds the base architecture and replays the swap before the weights load;
+- without hf_posswap, transformers refuses the unknown model type ``hf_posswap_<family>``, an error that names
+  hf_posswap, instead of loading the weights silently into the original architecture.
+
+Registration goes through transformers' own ``AutoConfig.register`` / ``AutoModel*.register``.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForPreTraining,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from .errors import InvalidConfigError
+
+MODEL_TYPE_PREFIX = "hf_posswap_"
+AUTO_CLASSES = (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForPreTraining,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoModelForQuestionAnswering,
+)
+
+
+def base_model_type(config: Any) -> str | None:
+    """The family's own model type, for a plain or an hf_posswap config."""
+    return getattr(config, "posswap_base_model_type", None) or getattr(config, "model_type", None)
+
+
+@functools.cache
+def posswap_config_class(base: type) -> type:
+    """``PosSwap<Base>Config``: the base config class with model_type ``hf_posswap_<type>``."""
+    return type(
+        f"PosSwap{base.__name__}",
+        (base,),
+        {
+            "model_type": MODEL_TYPE_PREFIX + base.model_type,
+            "posswap_base_model_type": base.model_type,
+            "posswap_base_config_class": base,
+            "__module__": __name__,
+        },
+    )
+
+
+@functools.cache
+def posswap_model_class(base: type) -> type:
+    """``PosSwap<Base>``: builds the base architecture, then replays the swap recorded in ``config.posswap``."""
+
+    def __init__(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, config, *args, **kwargs)
+        record = getattr(config, "posswap", None)
+        if record:
+            from .restore import restore_swap
+
+            restore_swap(self, record)
+
+    @classmethod  # type: ignore[misc]
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        """``from_pretrained`` whose size-mismatch error says that the weights do not match the recorded swap."""
+        try:
+            return super(new_class, cls).from_pretrained(*args, **kwargs)
+        except RuntimeError as error:
+            if "mismatched_sizes" not in str(error):
+                raise
+            raise InvalidConfigError(
+                "The checkpoint's weights do not match the swap recorded in its config.posswap (see the loading "
+                "report above for the keys): the config or the weight files were changed after saving. Re-save "
+                "the model, or pass ignore_mismatched_sizes=True to re-initialise those weights."
+            ) from error
+
+    new_class = type(
+        f"PosSwap{base.__name__}",
+        (base,),
+        {
+            "__init__": __init__,
+            "from_pretrained": from_pretrained,
+            "config_class": posswap_config_class(base.config_class),
+            "__module__": __name__,
+        },
+    )
+    return new_class
+
+
+def register_auto_classes(model_types: list[str]) -> None:
+    """Register the hf_posswap config and model subclasses of each family with transformers' Auto classes."""
+    for model_type in model_types:
+        base_config = CONFIG_MAPPING[model_type]
+        config_cls = posswap_config_class(base_config)
+        AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
+        for auto in AUTO_CLASSES:
+            try:
+                base_model = auto._model_mapping[base_config]
+            except KeyError:
+                continue
+            auto.register(config_cls, posswap_model_class(base_model), exist_ok=True)
+
+
+def check_record(record: Any) -> dict[str, Any]:
+    """Validate a ``config.posswap`` record; unknown keys (a newer hf_posswap) are dropped with a warning."""
+    from .swap import RECORD_VERSION
+
+    if not isinstance(record, dict) or not isinstance(record.get("scheme"), str):
+        raise InvalidConfigError(
+            f"The checkpoint's config.posswap record is malformed: expected a dict with a string 'scheme', got "
+            f"{record!r}. Re-save the model with hf_posswap, or fix config.json."
+        )
+    version = record.get("version", RECORD_VERSION)
+    if not isinstance(version, int):
+        raise InvalidConfigError(f"config.posswap.version must be an integer, got {version!r}.")
+    if version > RECORD_VERSION:
+        warnings.warn(
+            f"This checkpoint was written by a newer hf_posswap (record version {version}, this one reads "
+            f"{RECORD_VERSION}); loading what this version knows. Upgrade hf_posswap if the model misbehaves.",
+            stacklevel=3,
+        )
+    return record
