@@ -122,8 +122,10 @@ def scheme_inputs(
     )
     merged = context.memo.get(memo_key)
     if merged is None:
-        bias = scheme(query_pos, key_pos, layer_idx, causal, context.memo)  # [1, H, q, kv]
-        allowed = key_pos[None, :] <= query_pos[:, None] if causal else None  # [q, kv]
+        bias = scheme(query_pos, key_pos, layer_idx, causal, context.memo)  # [1 or B, H, q, kv]
+        allowed = key_pos[..., None, :] <= query_pos[..., :, None] if causal else None  # [q, kv] or [B, q, kv]
+        if allowed is not None and allowed.dim() == 3:
+            allowed = allowed[:, None]  # [B, 1, q, kv]
         merged = merge_bias_and_mask(bias, attention_mask, allowed, query.dtype)
         if not merged.requires_grad:
             context.memo[memo_key] = merged

@@ -41,16 +41,36 @@ class PositionContext:
     #: per-forward memo for gradient-free intermediates shared across layers (bucket ids, merged masks)
     memo: dict = field(default_factory=dict)
 
+    #: explicit per-row positions [B, q] (position ids passed without cache or padding, e.g. PoSE training)
+    row_positions: torch.Tensor | None = None
+
     def query_key_positions(self, q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """query positions [q] and key positions [kv].
+        """query positions [q] and key positions [kv] (or both [B, q] when explicit row positions are set).
 
         Static caches hand attention the whole buffer (kv_len >= offset + q_len): buffer index = position.
         Dynamic caches (possibly sliding) hold the latest kv_len tokens, ending at the current one.
         """
+        if self.row_positions is not None and self.row_positions.shape[-1] == q_len == kv_len:
+            return self.row_positions, self.row_positions
         query_pos = torch.arange(q_len, device=device) + self.query_offset
         key_start = max(self.query_offset + q_len - kv_len, 0)
         key_pos = torch.arange(kv_len, device=device) + key_start
         return query_pos, key_pos
+
+
+def _explicit_positions(kwargs: dict[str, Any], query_offset: int) -> torch.Tensor | None:
+    """Position ids the caller passed for a whole unpadded sequence (no cache): attention then uses them instead
+    of token indices, so position-skipping training (PoSE) reaches every scheme. With padding or a cache, index
+    distances are used (they equal position distances there)."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None or query_offset != 0 or kwargs.get("past_key_values") is not None:
+        return None
+    mask = kwargs.get("attention_mask")
+    if mask is not None and (mask.dim() != 2 or not bool(mask.all())):
+        return None
+    reference = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    batch = reference.shape[0] if reference is not None else position_ids.shape[0]
+    return position_ids.expand(batch, -1)
 
 
 def _cache_length(cache: Any) -> int:
@@ -89,7 +109,7 @@ class PositionHook:
         if self.adds_absolute and positions is not None:
             self._add_absolute(base, positions, kwargs, query_offset)
         if self.feeds_attention:
-            kwargs[CONTEXT_KWARG] = PositionContext(
+            context = PositionContext(
                 positions,
                 self.kind,
                 query_offset,
@@ -97,6 +117,8 @@ class PositionHook:
                 self.layer_shared,
                 self.self_extend,
             )
+            context.row_positions = _explicit_positions(kwargs, query_offset)
+            kwargs[CONTEXT_KWARG] = context
         return (), kwargs
 
     @staticmethod

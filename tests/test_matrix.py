@@ -186,3 +186,29 @@ def test_t5_tables_per_layer(family: str) -> None:
         mixed = models["sdpa"](input_ids=input_ids)
     torch.testing.assert_close(eager.logits, sdpa.logits, atol=1e-5, rtol=1e-4)
     assert not torch.allclose(sdpa.logits, mixed.logits, atol=1e-4)
+
+
+IN_ATTENTION = [pytest.param(f, s, id=f"{f}-{s}") for f in FAMILIES for s in ("rope", "alibi", "t5")
+                if not (f == "llama" and s == "rope")]
+
+
+@pytest.mark.parametrize(("family", "scheme"), IN_ATTENTION)
+def test_explicit_position_ids_reach_attention(family: str, scheme: str) -> None:
+    """Position ids passed for unpadded, uncached input (PoSE training) are the positions attention uses:
+    arange equals the default, a constant shift changes nothing for relative schemes, a skip changes the
+    logits, and rows with different ids in one batch equal each row alone."""
+    model = swapped(family, scheme)
+    input_ids = tokens(2, 16)
+    arange = torch.arange(16)[None].expand(2, -1)
+    skipped = torch.cat([torch.arange(8), torch.arange(8) + 40])[None]
+    with torch.no_grad():
+        default = model(input_ids=input_ids).logits
+        torch.testing.assert_close(model(input_ids=input_ids, position_ids=arange).logits, default)
+        torch.testing.assert_close(model(input_ids=input_ids, position_ids=arange + 5).logits, default,
+                                   atol=1e-5, rtol=1e-4)
+        mixed = torch.cat([arange[:1], skipped])
+        together = model(input_ids=input_ids, position_ids=mixed).logits
+        alone = model(input_ids=input_ids[1:], position_ids=skipped).logits
+    torch.testing.assert_close(together[1:], alone, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(together[:1], default[:1], atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(alone, default[1:], atol=1e-4)

@@ -44,11 +44,12 @@ class AlibiBias(BiasPositions):
     def forward(
         self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool, memo: dict | None = None
     ) -> torch.Tensor:
-        # query_pos [q], key_pos [kv] -> [1, H, q, kv]
-        distance = (key_pos[None, :] - query_pos[:, None]).to(torch.float32)  # [q, kv], j - i
+        # query_pos [q], key_pos [kv] -> [1, H, q, kv]  (or [B, q], [B, kv] -> [B, H, q, kv])
+        distance = (key_pos[..., None, :] - query_pos[..., :, None]).to(torch.float32)  # [..., q, kv], j - i
         if not causal:
             distance = -distance.abs()
-        return (self.slopes.to(torch.float32)[:, None, None] * distance[None]).unsqueeze(0)  # -m (i - j)
+        bias = self.slopes.to(torch.float32)[:, None, None] * distance.unsqueeze(-3)  # -m (i - j): [..., H, q, kv]
+        return bias if bias.dim() == 4 else bias.unsqueeze(0)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.slopes.shape[0]}, trainable={isinstance(self.slopes, nn.Parameter)}"

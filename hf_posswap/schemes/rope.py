@@ -32,8 +32,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``cos.shape[-1]`` dims of ``x`` [B, H, L, D] by cos/sin [L, r]; the rest pass through."""
+    """Rotate the first ``cos.shape[-1]`` dims of ``x`` [B, H, L, D] by cos/sin [L, r] (or [B, L, r]); the rest
+    pass through."""
     rotary_dim = cos.shape[-1]
+    if cos.dim() == 3:  # per-row positions [B, L, r] -> [B, 1, L, r] (broadcast over heads)
+        cos, sin = cos[:, None], sin[:, None]
     rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     rotated = rotated * cos + rotate_half(rotated) * sin
@@ -91,9 +94,9 @@ class RotaryEmbedding(RotaryPositions):
         return self._length_cache[2], self._length_cache[3]
 
     def forward(self, positions: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [P] -> cos, sin [P, rotary_dim] (float32); seq_len: the current sequence length
+        # positions [P] or [B, P] -> cos, sin [..., P, rotary_dim] (float32); seq_len: the current length
         inv_freq, scaling = self.frequencies(seq_len, positions.device)
-        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [P, r/2]
+        freqs = positions.to(torch.float32)[..., None] * inv_freq  # [..., P, r/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [P, r]
         return angles.cos() * scaling, angles.sin() * scaling
 

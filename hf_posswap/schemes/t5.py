@@ -76,17 +76,26 @@ class T5RelativeBias(BiasPositions):
     def forward(
         self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool, memo: dict | None = None
     ) -> torch.Tensor:
-        # query_pos [q], key_pos [kv] -> [1, H, q, kv]
+        # query_pos [q], key_pos [kv] -> [1, H, q, kv]  (or [B, q], [B, kv] -> [B, H, q, kv])
         table = self.tables[0] if len(self.tables) == 1 else self.tables[layer_idx]
-        memo_key = ("t5-buckets", causal, query_pos.shape[0], key_pos.shape[0], int(query_pos[0]), int(key_pos[0]))
+        memo_key = (  # index positions are ranges (shape + start say it all); row positions live for the forward
+            "t5-buckets",
+            causal,
+            tuple(query_pos.shape),
+            tuple(key_pos.shape),
+            int(query_pos.flatten()[0]),
+            int(key_pos.flatten()[0]),
+            id(query_pos) if query_pos.dim() > 1 else None,
+        )
         buckets = memo.get(memo_key) if memo is not None else None
         if buckets is None:
-            relative = key_pos[None, :] - query_pos[:, None]  # [q, kv], memory - context as in T5
+            relative = key_pos[..., None, :] - query_pos[..., :, None]  # [..., q, kv], memory - context as in T5
             buckets = relative_position_bucket(relative, not causal, self.num_buckets, self.max_distance)
             if memo is not None:
                 memo[memo_key] = buckets
         weight = table.weight.to(torch.float32).t()  # [num_buckets, H] -> [H, num_buckets]
-        return _GatherBuckets.apply(weight, buckets).unsqueeze(0)  # [H, q, kv] -> [1, H, q, kv]
+        bias = _GatherBuckets.apply(weight, buckets)  # [H, ..., q, kv]
+        return bias.movedim(0, -3) if bias.dim() == 4 else bias.unsqueeze(0)  # -> [B or 1, H, q, kv]
 
     def extra_repr(self) -> str:
         return f"num_buckets={self.num_buckets}, max_distance={self.max_distance}, tables={len(self.tables)}"

@@ -1,0 +1,106 @@
+"""Training data: local text / jsonl files or a ``datasets`` dataset saved to disk, tokenized and packed into
+fixed-length sequences (concatenate, then cut; an EOS token between documents)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from ..errors import InvalidConfigError
+
+
+def expand_paths(patterns: Sequence[str]) -> list[Path]:
+    """Files named by paths or glob patterns, sorted for determinism; directories of ``datasets`` stay as is."""
+    paths: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        if not matches:
+            raise InvalidConfigError(f"No training data matches '{pattern}'. Pass text/jsonl files or a directory.")
+        paths.extend(Path(match) for match in matches)
+    return paths
+
+
+def read_documents(paths: Iterable[Path], text_field: str = "text") -> list[str]:
+    """Documents from .txt files (one per file), .jsonl files (``text_field`` of each line), or a ``datasets``
+    dataset directory saved with ``save_to_disk``."""
+    documents: list[str] = []
+    for path in paths:
+        if path.is_dir():
+            documents.extend(_dataset_documents(path, text_field))
+        elif path.suffix == ".jsonl":
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if text_field not in record:
+                    raise InvalidConfigError(f"{path}:{number} has no '{text_field}' field; pass --text-field.")
+                documents.append(str(record[text_field]))
+        else:
+            documents.append(path.read_text(encoding="utf-8"))
+    if not documents:
+        raise InvalidConfigError("The training data holds no documents.")
+    return documents
+
+
+def _dataset_documents(path: Path, text_field: str) -> list[str]:
+    try:
+        from datasets import load_from_disk
+    except ImportError as error:
+        raise InvalidConfigError(
+            f"{path} is a directory; reading a `datasets` dataset needs `pip install datasets`."
+        ) from error
+    dataset = load_from_disk(str(path))
+    if hasattr(dataset, "keys"):  # a DatasetDict: take the train split, else the first one
+        dataset = dataset["train"] if "train" in dataset else dataset[next(iter(dataset.keys()))]
+    return [str(text) for text in dataset[text_field]]
+
+
+class PackedDataset(Dataset):
+    """Token blocks of exactly ``seq_len`` ids [seq_len] from the concatenated documents."""
+
+    def __init__(self, token_ids: torch.Tensor, seq_len: int) -> None:
+        blocks = token_ids.numel() // seq_len
+        if blocks == 0:
+            raise InvalidConfigError(
+                f"The data has {token_ids.numel()} tokens, fewer than one sequence of {seq_len}; use more data or a "
+                "shorter --seq-len."
+            )
+        self.blocks = token_ids[: blocks * seq_len].view(blocks, seq_len)  # [N, seq_len]
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.blocks[index]}
+
+
+def pack(documents: Sequence[str], tokenizer, seq_len: int) -> torch.Tensor:
+    """Tokenize every document, join with the EOS (or SEP) id, return one flat id tensor."""
+    separator = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    ids: list[int] = []
+    for document in documents:
+        ids.extend(tokenizer(document, add_special_tokens=False)["input_ids"])
+        if separator is not None:
+            ids.append(separator)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def train_eval_split(
+    token_ids: torch.Tensor, seq_len: int, eval_fraction: float
+) -> tuple[PackedDataset, PackedDataset | None]:
+    """The last ``eval_fraction`` of the blocks is held out (at least one block when there are two or more)."""
+    dataset = PackedDataset(token_ids, seq_len)
+    held = int(len(dataset) * eval_fraction)
+    if eval_fraction > 0 and held == 0 and len(dataset) > 1:
+        held = 1
+    if held == 0:
+        return dataset, None
+    train_ids = dataset.blocks[:-held].reshape(-1)
+    eval_ids = dataset.blocks[-held:].reshape(-1)
+    return PackedDataset(train_ids, seq_len), PackedDataset(eval_ids, seq_len)
