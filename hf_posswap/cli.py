@@ -22,15 +22,22 @@ def _demo(argv: list[str]) -> int:
     return demo_main(argv)
 
 
-COMMANDS = {"demo": _demo, "schemes": _schemes}
+def _finetune(argv: list[str]) -> int:
+    from .finetune import main as finetune_main
+
+    return finetune_main(argv)
+
+
+COMMANDS = {"demo": _demo, "finetune": _finetune, "schemes": _schemes}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(
-            "usage: hf-posswap {demo,schemes} [options]\n\n"
+            "usage: hf-posswap {demo,finetune,schemes} [options]\n\n"
             "  demo     swap the built-in SmolLM2 checkpoint to several schemes and compare them\n"
+            "  finetune fine-tune a model with swapped positions (accelerate; LoRA via peft)\n"
             "  schemes  print the family x scheme support matrix\n\n"
             "Run `hf-posswap COMMAND --help` for the options of one command."
         )

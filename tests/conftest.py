@@ -95,3 +95,49 @@ def padding_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(params=FAMILIES)
 def family(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (256 byte tokens + <eos> + [MASK] + [PAD]) built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: index for index, symbol in enumerate(sorted(alphabet))}
+    for special in ("<eos>", "[MASK]", "[PAD]"):
+        vocab[special] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", mask_token="[MASK]",
+                                   pad_token="[PAD]")
+
+
+BYTE_VOCAB = 259
+
+
+def save_tiny_checkpoint(family: str, directory, seed: int = 0):
+    """A tiny random model of ``family`` with the byte tokenizer, saved as a plain HF directory."""
+    torch.manual_seed(seed)
+    config = tiny_config(family)
+    config.vocab_size = BYTE_VOCAB
+    config.pad_token_id = BYTE_VOCAB - 1
+    if family != "bert":
+        config.eos_token_id = config.bos_token_id = BYTE_VOCAB - 3
+    model = MODEL_CLASSES[family](config)
+    model.save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def write_corpus(directory, documents: int = 40) -> list[str]:
+    """Deterministic text files from Python's own documentation topics (no download)."""
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)[:documents]
+    paths = []
+    for index, name in enumerate(names):
+        path = directory / f"doc{index:03d}.txt"
+        path.write_text(topics[name][:4000], encoding="utf-8")
+        paths.append(str(path))
+    return paths

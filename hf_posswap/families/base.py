@@ -24,6 +24,8 @@ class FamilyAdapter:
     name: ClassVar[str] = ""
     model_types: ClassVar[tuple[str, ...]] = ()
     native_positions: ClassVar[str] = ""
+    #: attention projections LoRA targets by default
+    lora_target_modules: ClassVar[tuple[str, ...]] = ()
     #: dotted path, under the base model, of the learned absolute table (None: the family has none)
     absolute_table_path: ClassVar[str | None] = None
     #: dotted path, under the base model, of the native rotary module (None: the family has none)

@@ -18,6 +18,7 @@ class BertAdapter(FamilyAdapter):
     name = "bert"
     model_types = ("bert",)
     native_positions = "learned absolute table (embeddings.position_embeddings)"
+    lora_target_modules = ("query", "key", "value")
     absolute_table_path = "embeddings.position_embeddings"
 
     def is_self_attention(self, module: nn.Module) -> bool:

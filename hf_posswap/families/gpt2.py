@@ -13,6 +13,7 @@ class GPT2Adapter(FamilyAdapter):
     name = "gpt2"
     model_types = ("gpt2",)
     native_positions = "learned absolute table (transformer.wpe)"
+    lora_target_modules = ("c_attn", "c_proj")
     absolute_table_path = "wpe"
 
     def describe_native(self, model: nn.Module) -> str:

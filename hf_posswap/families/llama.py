@@ -22,6 +22,7 @@ class LlamaAdapter(FamilyAdapter):
     name = "llama"
     model_types = ("llama", "mistral", "qwen2", "qwen3")
     native_positions = "RoPE (model.rotary_emb, config.rope_parameters)"
+    lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj")
     rotary_module_path = "rotary_emb"
 
     def native_rope_edits(self, model: nn.Module, config: RopeConfig) -> list[Edit] | None:

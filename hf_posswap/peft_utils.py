@@ -1,0 +1,93 @@
+"""LoRA through peft with the swapped position parameters trained and saved alongside the adapter.
+
+``trainable_position_modules(model)`` names the modules holding position parameters (ALiBi slopes, T5 tables,
+learned tables) for peft's ``modules_to_save``. Adapters are saved with a ``posswap_adapter.json`` record; loading
+one onto a base that was not swapped the same way is refused instead of silently dropping position weights
+(which plain ``PeftModel.from_pretrained`` would do).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .errors import InvalidConfigError
+from .families.base import get_family
+from .swap import swap_state
+
+ADAPTER_RECORD = "posswap_adapter.json"
+POSITION_MODULE_NAMES = ("wpe", "position_embeddings", "posswap_positions")
+
+
+def trainable_position_modules(model: nn.Module) -> list[str]:
+    """Attribute names of the modules that hold the swap's trainable position parameters (for ``modules_to_save``)."""
+    state = swap_state(_unwrap(model))
+    if state is None:
+        return []
+    names = []
+    for name, _, trainable in state.new_parameters:
+        if trainable:
+            parts = name.split(".")
+            # the attribute holding the position module: wpe, position_embeddings or posswap_positions
+            module = next((p for p in parts if p in POSITION_MODULE_NAMES), None)
+            if module and module not in names:
+                names.append(module)
+    return names
+
+
+def lora_config(model: nn.Module, r: int = 8, alpha: int = 16, dropout: float = 0.0, **extra: Any):
+    """A peft ``LoraConfig`` for the model's family: attention projections as targets, position modules saved."""
+    from peft import LoraConfig, TaskType
+
+    adapter = get_family(_unwrap(model))
+    causal = adapter.name != "bert" or bool(getattr(model.config, "is_decoder", False))
+    return LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(adapter.lora_target_modules),
+        modules_to_save=trainable_position_modules(model) or None,
+        task_type=TaskType.CAUSAL_LM if causal else None,
+        fan_in_fan_out=adapter.name == "gpt2",  # GPT-2's Conv1D stores weights transposed
+        **extra,
+    )
+
+
+def save_adapter(peft_model: nn.Module, directory: str | os.PathLike[str]) -> None:
+    """``peft_model.save_pretrained`` plus the swap record the adapter was trained with."""
+    directory = Path(directory)
+    peft_model.save_pretrained(directory)
+    state = swap_state(_unwrap(peft_model))
+    record = {"scheme": state.config.to_dict() if state else None, "extension": state.extension if state else None}
+    (directory / ADAPTER_RECORD).write_text(json.dumps(record, indent=2), encoding="utf-8")
+
+
+def load_adapter(base_model: nn.Module, directory: str | os.PathLike[str], **kwargs: Any):
+    """``PeftModel.from_pretrained`` that first checks the base carries the swap the adapter was trained with."""
+    from peft import PeftModel
+
+    directory = Path(directory)
+    record_path = directory / ADAPTER_RECORD
+    if record_path.exists():
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+        state = swap_state(base_model)
+        base_scheme = state.config.to_dict() if state else None
+        if record.get("scheme") != base_scheme:
+            wanted = record.get("scheme") or "no swap"
+            has = base_scheme or "no swap"
+            raise InvalidConfigError(
+                f"The adapter in {directory} was trained on a model swapped to {wanted}, but this base carries "
+                f"{has}. Loading it would drop or misplace its position weights. Swap the base first: "
+                f"hf_posswap.swap(base, hf_posswap.schemes.scheme_config_from_dict({wanted!r}))."
+            )
+    return PeftModel.from_pretrained(base_model, directory, **kwargs)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model

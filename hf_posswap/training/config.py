@@ -1,0 +1,145 @@
+"""``FinetuneConfig``: every option of a fine-tuning run, validated, and its command-line form."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..errors import InvalidConfigError
+
+
+@dataclass
+class FinetuneConfig:
+    """A fine-tuning run of a (swapped) model with accelerate.
+
+    Args:
+        model: checkpoint directory to start from.
+        data: text / jsonl files (globs allowed) or ``datasets`` directories saved with ``save_to_disk``.
+        output: run directory: checkpoints, loss log, final model or adapter.
+        scheme, scheme_options: swap to this scheme first (``None``: train the model's current positions).
+        extend_to, extend_method: extend the context first (``hf_posswap.extend_context``).
+        objective: ``causal``, ``mlm`` or ``auto`` (causal for decoders, masked LM for BERT encoders).
+        seq_len, batch_size, grad_accum, steps: sequence length, per-process batch, accumulation, optimizer steps.
+        lr, lr_schedule, warmup_steps, weight_decay, max_grad_norm: AdamW and a transformers scheduler name.
+        mixed_precision: ``no``, ``fp16`` or ``bf16`` (accelerate). gradient_checkpointing: trade compute for memory.
+        lora, lora_r, lora_alpha, lora_dropout, merge_lora: LoRA through peft; position modules are trained and
+            saved with the adapter; ``merge_lora`` also writes the merged full model.
+        distill, distill_weight, distill_temperature: train towards the unswapped original (KL on logits for LMs,
+            final-hidden-state MSE for encoders), mixed with the plain objective by ``distill_weight``.
+        pose_target: PoSE: position ids of the short training sequences span this length.
+        eval_fraction, eval_every: held-out share of the packed data and how often to measure it.
+        save_every: checkpoint every N steps (atomic; ``resume`` continues from the latest).
+    """
+
+    model: str
+    data: list[str]
+    output: str
+    scheme: str | None = None
+    scheme_options: dict[str, Any] = field(default_factory=dict)
+    extend_to: int | None = None
+    extend_method: str | None = None
+    objective: Literal["auto", "causal", "mlm"] = "auto"
+    seq_len: int = 512
+    batch_size: int = 4
+    grad_accum: int = 1
+    steps: int = 100
+    lr: float = 1e-4
+    lr_schedule: str = "cosine"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    mixed_precision: Literal["no", "fp16", "bf16"] = "no"
+    gradient_checkpointing: bool = False
+    lora: bool = False
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    merge_lora: bool = False
+    distill: bool = False
+    distill_weight: float = 1.0
+    distill_temperature: float = 1.0
+    pose_target: int | None = None
+    mlm_probability: float = 0.15
+    text_field: str = "text"
+    eval_fraction: float = 0.05
+    eval_every: int = 50
+    save_every: int = 100
+    resume: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size", "grad_accum", "steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidConfigError(f"FinetuneConfig.{name} must be a positive integer, got {value!r}.")
+        for name in ("eval_every", "save_every", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise InvalidConfigError(f"FinetuneConfig.{name} must be >= 0, got {getattr(self, name)!r}.")
+        if self.objective not in ("auto", "causal", "mlm"):
+            raise InvalidConfigError(f"objective must be auto, causal or mlm, got {self.objective!r}.")
+        if self.mixed_precision not in ("no", "fp16", "bf16"):
+            raise InvalidConfigError(f"mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}.")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise InvalidConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction!r}.")
+        if not 0.0 <= self.distill_weight <= 1.0:
+            raise InvalidConfigError(f"distill_weight must be in [0, 1], got {self.distill_weight!r}.")
+        if self.pose_target is not None and self.pose_target <= self.seq_len:
+            raise InvalidConfigError(
+                f"pose_target={self.pose_target} must exceed seq_len={self.seq_len}: PoSE spreads short sequences "
+                "over a longer target length."
+            )
+        if self.merge_lora and not self.lora:
+            raise InvalidConfigError("merge_lora needs lora=True.")
+        if isinstance(self.data, str):
+            self.data = [self.data]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+def build_parser(prog: str = "hf-posswap finetune") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Fine-tune a model with swapped positions (accelerate).")
+    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser.add_argument("--data", nargs="+", required=True, help="text/jsonl files (globs) or datasets directories")
+    parser.add_argument("--output", required=True, help="run directory")
+    parser.add_argument("--scheme", help="swap to this scheme first (see `hf-posswap schemes`)")
+    parser.add_argument("--scheme-option", action="append", default=[], metavar="KEY=JSON",
+                        help="an option of the scheme, e.g. --scheme-option num_buckets=64 (repeatable)")
+    parser.add_argument("--extend-to", type=int, help="extend the context to this many tokens first")
+    parser.add_argument("--extend-method", help="extension method (default: yarn for RoPE, interpolate for tables)")
+    parser.add_argument("--objective", choices=["auto", "causal", "mlm"], default="auto")
+    for name, kind, default in (("seq-len", int, 512), ("batch-size", int, 4), ("grad-accum", int, 1),
+                                ("steps", int, 100), ("lr", float, 1e-4), ("warmup-steps", int, 0),
+                                ("weight-decay", float, 0.0), ("max-grad-norm", float, 1.0), ("lora-r", int, 8),
+                                ("lora-alpha", int, 16), ("lora-dropout", float, 0.0), ("distill-weight", float, 1.0),
+                                ("distill-temperature", float, 1.0), ("pose-target", int, None),
+                                ("mlm-probability", float, 0.15), ("eval-fraction", float, 0.05),
+                                ("eval-every", int, 50), ("save-every", int, 100), ("seed", int, 0)):
+        parser.add_argument(f"--{name}", type=kind, default=default)
+    parser.add_argument("--lr-schedule", default="cosine", help="a transformers scheduler name (cosine, linear, ...)")
+    parser.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="no")
+    parser.add_argument("--text-field", default="text", help="jsonl / datasets field holding the text")
+    for flag, text in (("gradient-checkpointing", "recompute activations in backward"),
+                       ("lora", "train LoRA adapters (peft) plus the position modules"),
+                       ("merge-lora", "also save the merged full model"),
+                       ("distill", "distil from the unswapped original"),
+                       ("resume", "continue from the latest checkpoint in --output")):
+        parser.add_argument(f"--{flag}", action="store_true", help=text)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
+    options = {}
+    for item in args.scheme_option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise InvalidConfigError(f"--scheme-option expects KEY=VALUE, got {item!r}.")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(FinetuneConfig) if hasattr(args, f.name)}
+    return FinetuneConfig(**{**values, "scheme_options": options})
