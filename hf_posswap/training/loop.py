@@ -43,13 +43,20 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     from accelerate.utils import set_seed
     from transformers import get_scheduler
 
-    accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=config.mixed_precision)
+    # cpu=True on machines without CUDA makes torchrun-launched processes (`accelerate launch --multi_gpu`,
+    # `torchrun`) train data-parallel over gloo instead of each running alone.
+    accelerator = Accelerator(
+        gradient_accumulation_steps=config.grad_accum,
+        mixed_precision=config.mixed_precision,
+        cpu=not torch.cuda.is_available(),
+    )
     set_seed(config.seed)
     output = Path(config.output)
     if accelerator.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
         (output / "finetune_config.json").write_text(config.to_json(), encoding="utf-8")
 
+    documents = read_documents(expand_paths(config.data), config.text_field)  # bad paths fail before any loading
     model, tokenizer, objective = _load_model(config)
     teacher = _teacher(model, accelerator) if config.distill else None
     _prepare_positions(model, config)
@@ -62,7 +69,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
 
         model = get_peft_model(model, lora_config(model, config.lora_r, config.lora_alpha, config.lora_dropout))
 
-    token_ids = pack(read_documents(expand_paths(config.data), config.text_field), tokenizer, config.seq_len)
+    token_ids = pack(documents, tokenizer, config.seq_len)
     train_set, eval_set = train_eval_split(token_ids, config.seq_len, config.eval_fraction)
     sampler = EpochShuffle(len(train_set), config.seed)
     collate = _collator(tokenizer, objective, config)
@@ -119,7 +126,14 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     if eval_loader is not None:
         eval_loss = _evaluate(model, eval_loader, objective, accelerator)
     result_dir = _save_result(accelerator, model, tokenizer, output, config)
-    return {"train_loss": last_loss, "eval_loss": eval_loss, "output": str(result_dir), "steps": position["step"]}
+    checksum = float(sum(p.detach().double().sum() for p in trainable))  # equal in every process after DDP
+    return {
+        "train_loss": last_loss,
+        "eval_loss": eval_loss,
+        "output": str(result_dir),
+        "steps": position["step"],
+        "parameter_checksum": checksum,
+    }
 
 
 # --- pieces ---------------------------------------------------------------------------------------------------
