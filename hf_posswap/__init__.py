@@ -18,8 +18,10 @@ from .errors import (
     UnknownSchemeError,
     UnsupportedFamilyError,
 )
+from .export import export_standalone
 from .extend import available_extension_methods, extend_context
 from .families import FamilyAdapter, register_family
+from .peft_utils import load_adapter, lora_config, save_adapter, trainable_position_modules
 from .schemes import (
     AlibiConfig,
     LearnedConfig,
@@ -58,7 +60,12 @@ __all__ = [
     "SelfExtend",
     "YarnScaling",
     "available_extension_methods",
+    "export_standalone",
     "extend_context",
+    "load_adapter",
+    "lora_config",
+    "save_adapter",
+    "trainable_position_modules",
     "AlibiConfig",
     "AlreadySwappedError",
     "FamilyAdapter",

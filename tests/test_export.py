@@ -1,0 +1,73 @@
+"""export_standalone: a trust_remote_code checkpoint that loads where hf_posswap cannot be imported."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VOCAB, make_model, swapped
+
+import hf_posswap as ps
+
+LOADER = textwrap.dedent("""
+    import sys
+    sys.modules["hf_posswap"] = None  # not importable at all
+    import torch, transformers
+    data = torch.load(sys.argv[2])
+    model = getattr(transformers, sys.argv[3]).from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    with torch.no_grad():
+        logits = model(input_ids=data["input_ids"]).logits
+    print("EQUAL" if torch.equal(logits, data["expected"]) else "DIFFERENT", type(model).__name__)
+    """)
+
+
+def load_without_hf_posswap(directory: Path, data: Path, auto: str) -> str:
+    result = subprocess.run([sys.executable, "-c", LOADER, str(directory), str(data), auto], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize(("family", "scheme", "extend"), [("gpt2", "alibi", 200), ("llama", "t5", None),
+                                                          ("bert", "rope", None), ("llama", "rope", None)],
+                         ids=["gpt2-alibi-extended", "llama-t5", "bert-rope", "llama-self-extend"])
+def test_standalone_checkpoint_loads_without_hf_posswap(tmp_path: Path, family, scheme, extend) -> None:
+    model = swapped(family, scheme)
+    if extend:
+        ps.extend_context(model, extend)
+    if family == "llama" and scheme == "rope":
+        ps.extend_context(model, 256, "self_extend")
+    input_ids = torch.randint(3, VOCAB, (1, 120 if family != "bert" else 40))
+    with torch.no_grad():
+        expected = model(input_ids=input_ids).logits
+    torch.save({"input_ids": input_ids, "expected": expected}, tmp_path / "io.pt")
+    ps.export_standalone(model, tmp_path / "export")
+    assert (tmp_path / "export" / "modeling_posswap.py").exists()
+    source = (tmp_path / "export" / "modeling_posswap.py").read_text()
+    assert not re.search(r"^\s*(import|from)\s+hf_posswap", source, re.MULTILINE)
+    auto = "AutoModelForMaskedLM" if family == "bert" else "AutoModelForCausalLM"
+    assert "EQUAL" in load_without_hf_posswap(tmp_path / "export", tmp_path / "io.pt", auto)
+
+
+def test_export_cli(tmp_path: Path) -> None:
+    model = swapped("gpt2", "t5")
+    model.save_pretrained(tmp_path / "saved")
+    input_ids = torch.randint(3, VOCAB, (1, 30))
+    with torch.no_grad():
+        torch.save({"input_ids": input_ids, "expected": model(input_ids=input_ids).logits}, tmp_path / "io.pt")
+    result = subprocess.run([sys.executable, "-m", "hf_posswap", "export", str(tmp_path / "saved"),
+                             str(tmp_path / "export")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "PosSwapGPT2LMHeadModel" in result.stdout, result.stderr[-2000:]
+    assert "EQUAL PosSwapGPT2LMHeadModel" in load_without_hf_posswap(tmp_path / "export", tmp_path / "io.pt",
+                                                                     "AutoModelForCausalLM")
+
+
+def test_exporting_an_unswapped_model_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ps.InvalidConfigError, match=r"GPT2LMHeadModel carries no hf_posswap swap; save it with "
+                       r"model.save_pretrained\(\) instead"):
+        ps.export_standalone(make_model("gpt2"), tmp_path)
