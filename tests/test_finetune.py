@@ -226,3 +226,33 @@ def test_finetune_config_errors() -> None:
         FinetuneConfig(model="m", data=["d"], output="o", pose_target=100)
     with pytest.raises(ps.InvalidConfigError, match=r"No training data matches '/nonexistent/\*.txt'"):
         finetune(FinetuneConfig(model=str(ROOT), data=["/nonexistent/*.txt"], output="/tmp/x"))
+
+
+def test_jsonl_and_datasets_directories_are_read(workspace, tmp_path) -> None:
+    from hf_posswap.training.data import expand_paths, read_documents
+
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text('{"text": "first document"}\n\n{"text": "second"}\n', encoding="utf-8")
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"body": ["from a dataset", "on disk"]}).save_to_disk(str(tmp_path / "ds"))
+    assert read_documents(expand_paths([str(jsonl)])) == ["first document", "second"]
+    assert read_documents(expand_paths([str(tmp_path / "ds")]), text_field="body") == ["from a dataset", "on disk"]
+    with pytest.raises(ps.InvalidConfigError, match=r"docs.jsonl:1 has no 'body' field; pass --text-field"):
+        read_documents([jsonl], text_field="body")
+
+
+def test_cli_finetune(workspace, tmp_path) -> None:
+    command = [sys.executable, "-m", "hf_posswap", "finetune", "--model", str(workspace / "gpt2"), "--data",
+               str(workspace / "corpus" / "*.txt"), "--output", str(tmp_path), "--scheme", "t5", "--scheme-option",
+               "num_buckets=16", "--seq-len", "64", "--steps", "2", "--batch-size", "2", "--eval-every", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "finished 2 steps" in result.stdout
+    saved = json.loads((tmp_path / "final" / "config.json").read_text())
+    assert saved["posswap"]["num_buckets"] == 16
+    bad = subprocess.run([*command[:4], "--model", "x", "--data", "/nonexistent.txt", "--output", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "hf-posswap finetune: No training data matches '/nonexistent.txt'. Pass text/jsonl files or a directory.")

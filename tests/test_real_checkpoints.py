@@ -133,3 +133,16 @@ def test_minilm_table_grows_past_512(minilm, method: str) -> None:
     finally:
         ps.unswap(model)
     assert model.config.max_position_embeddings == 512
+
+
+def test_finetune_example_runs(smollm2, tmp_path) -> None:
+    """examples/finetune_smollm2_alibi.py end to end, with 2 steps per run to keep CI short."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "finetune_smollm2_alibi.py"
+    result = subprocess.run([sys.executable, str(script), "--steps", "2", "--seq-len", "64", "--output",
+                             str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ALiBi after 2 steps, distill objective (reloaded)" in result.stdout
