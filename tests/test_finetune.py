@@ -4,6 +4,7 @@ processes, the HF Trainer."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -256,3 +257,10 @@ def test_cli_finetune(workspace, tmp_path) -> None:
     assert bad.returncode == 1
     assert bad.stderr.strip().splitlines()[-1] == (
         "hf-posswap finetune: No training data matches '/nonexistent.txt'. Pass text/jsonl files or a directory.")
+
+
+def test_gradient_checkpointing_accumulation_and_bf16(workspace, tmp_path) -> None:
+    result = run(workspace, "llama", tmp_path, scheme="t5", steps=2, gradient_checkpointing=True, grad_accum=2,
+                 mixed_precision="bf16")
+    assert result["steps"] == 2 and math.isfinite(result["train_loss"])
+    assert len(losses(tmp_path)) == 2
