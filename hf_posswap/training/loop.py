@@ -43,6 +43,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     from accelerate.utils import set_seed
     from transformers import get_scheduler
 
+    _fresh_accelerate_state()
     # cpu=True on machines without CUDA makes torchrun-launched processes (`accelerate launch --multi_gpu`,
     # `torchrun`) train data-parallel over gloo instead of each running alone.
     accelerator = Accelerator(
@@ -137,6 +138,15 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
 
 
 # --- pieces ---------------------------------------------------------------------------------------------------
+
+
+def _fresh_accelerate_state() -> None:
+    """accelerate keeps one global state per process; a second run in the same (non-distributed) process may ask
+    for other settings (mixed precision), so start from a clean one. Launched process groups are left alone."""
+    from accelerate.state import AcceleratorState
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def _load_model(config: FinetuneConfig):
