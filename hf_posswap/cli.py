@@ -61,15 +61,52 @@ def _auto_class_for(config, auto_classes) -> type:
     return auto_classes[0]
 
 
-COMMANDS = {"demo": _demo, "export": _export, "finetune": _finetune, "schemes": _schemes}
+def _eval(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hf-posswap eval", description="Perplexity against length and passkey.")
+    parser.add_argument("--model", required=True, help="checkpoint directory (hf_posswap or plain)")
+    parser.add_argument("--lengths", nargs="*", type=int, default=[], help="context lengths for perplexity")
+    parser.add_argument("--mode", nargs="+", default=["windows"], choices=["windows", "sliding", "tail"])
+    parser.add_argument("--stride", type=int, help="sliding-window stride (default: length / 2)")
+    parser.add_argument("--tail-from", type=int, help="tail NLL: score positions from here (default: trained length)")
+    parser.add_argument("--max-windows", type=int, default=4, help="windows per length (0: all)")
+    parser.add_argument("--text", nargs="*", help="text files to evaluate on (default: a built-in corpus)")
+    parser.add_argument("--corpus", default="reference", choices=["reference", "pydoc", "stdlib"])
+    parser.add_argument("--passkey-lengths", nargs="*", type=int, default=[])
+    parser.add_argument("--depths", nargs="*", type=float, default=[0.0, 0.5, 1.0])
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--output", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .evaluation import evaluate
+
+    text = "\n\n".join(Path(p).read_text(encoding="utf-8") for p in args.text) if args.text else None
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    results = evaluate(model, tokenizer, args.lengths, text=text, corpus=args.corpus, modes=args.mode,
+                       stride=args.stride, tail_from=args.tail_from, max_windows=args.max_windows or None,
+                       passkey_lengths=args.passkey_lengths, depths=args.depths, trials=args.trials,
+                       output=args.output)
+    for row in results["perplexity"]:
+        print(f"perplexity  length {row['length']:>6}  {row['mode']:<8} {row['perplexity']:10.3f}  "
+              f"({row['tokens']} tokens)")
+    for row in results["passkey"]:
+        print(f"passkey     length {row['length']:>6}  depth {row['depth']:.2f}  accuracy {row['accuracy']:.2f}")
+    return 0
+
+
+COMMANDS = {"demo": _demo, "eval": _eval, "export": _export, "finetune": _finetune, "schemes": _schemes}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(
-            "usage: hf-posswap {demo,export,finetune,schemes} [options]\n\n"
+            "usage: hf-posswap {demo,eval,export,finetune,schemes} [options]\n\n"
             "  demo     swap the built-in SmolLM2 checkpoint to several schemes and compare them\n"
+            "  eval     perplexity against length and passkey retrieval, as JSON\n"
             "  export   write a trust_remote_code checkpoint that loads without hf_posswap\n"
             "  finetune fine-tune a model with swapped positions (accelerate; LoRA via peft)\n"
             "  schemes  print the family x scheme support matrix\n\n"

@@ -1,0 +1,98 @@
+"""Perplexity against length: non-overlapping windows, a sliding window with a stride, and tail-only NLL."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import InvalidConfigError
+
+MODES = ("windows", "sliding", "tail")
+
+
+@dataclass
+class PerplexityResult:
+    length: int
+    mode: str
+    perplexity: float
+    nll: float
+    tokens: int
+    windows: int
+
+
+@torch.no_grad()
+def window_nll(model: nn.Module, window: torch.Tensor, first_scored: int) -> tuple[float, int]:
+    """Sum of next-token NLL over the targets at positions >= ``first_scored`` (1-based target positions in the
+    window: target i is predicted from tokens < i). window [L] -> (sum NLL, count)."""
+    logits = model(input_ids=window[None]).logits[0, :-1].float()  # [L-1, vocab]
+    targets = window[1:]
+    start = max(first_scored - 1, 0)
+    nll = nn.functional.cross_entropy(logits[start:], targets[start:], reduction="sum")
+    return float(nll), int(targets[start:].numel())
+
+
+def perplexity(
+    model: nn.Module,
+    token_ids: torch.Tensor,
+    length: int,
+    mode: str = "windows",
+    stride: int | None = None,
+    tail_from: int | None = None,
+    max_windows: int | None = None,
+    progress: bool = False,
+) -> PerplexityResult:
+    """Perplexity of ``model`` on the flat token stream ``token_ids`` [N] at context ``length``.
+
+    - ``windows``: non-overlapping windows of ``length`` tokens; every next-token prediction counts.
+    - ``sliding``: windows of ``length`` moved by ``stride``; each window scores only the tokens not scored by the
+      previous one, so every token is predicted with up to ``length - stride`` tokens of context.
+    - ``tail``: non-overlapping windows; only predictions of positions >= ``tail_from`` count (default: the
+      model's trained length), so early tokens do not flatter long-context numbers.
+    """
+    if mode not in MODES:
+        raise InvalidConfigError(f"Unknown perplexity mode '{mode}'. Modes: {', '.join(MODES)}.")
+    if length < 2 or token_ids.numel() < length:
+        raise InvalidConfigError(
+            f"Length {length} needs at least {length} tokens of text (got {token_ids.numel()}) and must be >= 2."
+        )
+    starts, first_scored = _plan(token_ids.numel(), length, mode, stride, tail_from, model)
+    if max_windows is not None:
+        starts, first_scored = starts[:max_windows], first_scored[:max_windows]
+    total, count = 0.0, 0
+    iterator = zip(starts, first_scored, strict=True)
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(list(iterator), desc=f"ppl@{length} ({mode})", leave=False)
+    for start, first in iterator:
+        nll, scored = window_nll(model, token_ids[start : start + length].to(_device(model)), first)
+        total, count = total + nll, count + scored
+    mean = total / max(count, 1)
+    return PerplexityResult(length, mode, math.exp(mean), mean, count, len(starts))
+
+
+def _plan(n_tokens: int, length: int, mode: str, stride: int | None, tail_from: int | None, model: nn.Module):
+    if mode == "sliding":
+        stride = stride or length // 2
+        if not 0 < stride <= length:
+            raise InvalidConfigError(f"stride must be in (0, {length}], got {stride}.")
+        starts = list(range(0, n_tokens - length + 1, stride))
+        # the first window scores everything; later ones only their last `stride` targets
+        return starts, [1] + [length - stride] * (len(starts) - 1)
+    starts = list(range(0, n_tokens - length + 1, length))
+    if mode == "tail":
+        tail_from = tail_from or getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if tail_from is None or not 0 < tail_from < length:
+            raise InvalidConfigError(
+                f"Tail NLL needs 0 < tail_from < length={length}, got {tail_from}; pass tail_from (e.g. the trained "
+                "length) and a longer length."
+            )
+        return starts, [tail_from] * len(starts)
+    return starts, [1] * len(starts)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
