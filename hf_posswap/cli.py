@@ -97,18 +97,65 @@ def _eval(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"demo": _demo, "eval": _eval, "export": _export, "finetune": _finetune, "schemes": _schemes}
+def _inspect(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hf-posswap inspect", description="Pictures of a model's position scheme.")
+    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser.add_argument("--scheme", help="swap to this scheme first (default: what the checkpoint carries)")
+    parser.add_argument("--length", type=int, default=256, help="positions to draw")
+    parser.add_argument("--output", default="inspect", help="directory for the PNG files")
+    args = parser.parse_args(argv)
+    from transformers import AutoModel
+
+    from .evaluation.plots import position_pictures
+    from .swap import swap, swap_state
+
+    model = AutoModel.from_pretrained(args.model)
+    if args.scheme:
+        swap(model, args.scheme, replace=swap_state(model) is not None)
+    for path in position_pictures(model, args.output, args.length):
+        print(f"wrote {path}")
+    return 0
+
+
+def _plot(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hf-posswap plot", description="Plot `hf-posswap eval` results.")
+    parser.add_argument("runs", nargs="+", help="results.json files, optionally labelled: label=results.json")
+    parser.add_argument("--mode", default="windows", choices=["windows", "sliding", "tail"])
+    parser.add_argument("--trained-length", type=int, help="draw a line at the trained length")
+    parser.add_argument("--output", default="perplexity.png")
+    parser.add_argument("--passkey-output", help="also draw the passkey heatmap of the first run here")
+    args = parser.parse_args(argv)
+    from .evaluation.plots import load_runs, plot_passkey, plot_perplexity
+
+    runs = load_runs(args.runs)
+    print(f"wrote {plot_perplexity(runs, args.output, args.mode, args.trained_length)}")
+    if args.passkey_output:
+        print(f"wrote {plot_passkey(next(iter(runs.values())), args.passkey_output)}")
+    return 0
+
+
+COMMANDS = {
+    "demo": _demo,
+    "eval": _eval,
+    "export": _export,
+    "finetune": _finetune,
+    "inspect": _inspect,
+    "plot": _plot,
+    "schemes": _schemes,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(
-            "usage: hf-posswap {demo,eval,export,finetune,schemes} [options]\n\n"
+            "usage: hf-posswap {demo,eval,export,finetune,inspect,plot,schemes} [options]\n\n"
             "  demo     swap the built-in SmolLM2 checkpoint to several schemes and compare them\n"
             "  eval     perplexity against length and passkey retrieval, as JSON\n"
             "  export   write a trust_remote_code checkpoint that loads without hf_posswap\n"
             "  finetune fine-tune a model with swapped positions (accelerate; LoRA via peft)\n"
+            "  inspect  pictures of a position scheme (cosine distances, RoPE q.k, bias heads)\n"
+            "  plot     perplexity-against-length and passkey pictures from `eval` results\n"
             "  schemes  print the family x scheme support matrix\n\n"
             "Run `hf-posswap COMMAND --help` for the options of one command."
         )

@@ -141,3 +141,32 @@ def test_evaluate_writes_json_and_the_cli_prints_it(tmp_path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "perplexity  length     64  windows" in result.stdout
     assert json.loads((tmp_path / "cli.json").read_text())["perplexity"][0]["windows"] == 1
+
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("family", "scheme", "picture"), [("gpt2", None, "absolute_cosine.png"),
+                                                           ("llama", "alibi", "bias_per_head.png"),
+                                                           ("bert", "t5", "bias_per_head.png"),
+                                                           ("llama", None, "rope_qk_vs_distance.png"),
+                                                           ("gpt2", "rope", "rope_qk_vs_distance.png")])
+def test_inspect_cli_draws_the_scheme(tmp_path, family, scheme, picture) -> None:
+    save_tiny_checkpoint(family, tmp_path / "model")
+    command = [sys.executable, "-m", "hf_posswap", "inspect", "--model", str(tmp_path / "model"), "--length", "48",
+               "--output", str(tmp_path / "pictures")] + (["--scheme", scheme] if scheme else [])
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "pictures" / picture).read_bytes().startswith(PNG)
+
+
+def test_plot_cli(tmp_path) -> None:
+    results = {"perplexity": [{"length": n, "mode": "windows", "perplexity": p} for n, p in ((64, 9.0), (128, 20.0))],
+               "passkey": [{"length": n, "depth": d, "accuracy": a} for n in (64, 128) for d, a in ((0.0, 1.0),
+                                                                                                   (1.0, 0.5))]}
+    (tmp_path / "a.json").write_text(json.dumps(results))
+    result = subprocess.run([sys.executable, "-m", "hf_posswap", "plot", f"alibi={tmp_path / 'a.json'}",
+                             str(tmp_path / "a.json"), "--trained-length", "64", "--output", str(tmp_path / "p.png"),
+                             "--passkey-output", str(tmp_path / "k.png")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "p.png").read_bytes().startswith(PNG) and (tmp_path / "k.png").read_bytes().startswith(PNG)

@@ -30,5 +30,5 @@ def test_cli_unknown_command_is_one_clear_line() -> None:
     result = subprocess.run([sys.executable, "-m", "hf_posswap", "swapp"], capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "hf-posswap: unknown command 'swapp'; choose from demo, eval, export, finetune, schemes."
+        "hf-posswap: unknown command 'swapp'; choose from demo, eval, export, finetune, inspect, plot, schemes."
     )
