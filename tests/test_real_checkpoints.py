@@ -146,3 +146,16 @@ def test_finetune_example_runs(smollm2, tmp_path) -> None:
                              str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ALiBi after 2 steps, distill objective (reloaded)" in result.stdout
+
+
+def test_demo_runs_with_short_lengths(smollm2, tmp_path) -> None:
+    """The main job's code path (the README command runs it at full size)."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "hf_posswap", "demo", "--schemes", "alibi", "--length", "64",
+               "--extension-lengths", "256", "512", "--output", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "plain transformers reloads it with identical logits: True" in result.stdout
+    assert (tmp_path / "perplexity_vs_length.png").read_bytes().startswith(b"\x89PNG")

@@ -28,11 +28,13 @@ def plot_perplexity(
     trained_length: int | None = None,
     title: str = "Perplexity against context length",
 ) -> Path:
-    """One line per run (label -> ``evaluate`` results) of perplexity against length, log scales."""
+    """One line per run (label -> ``evaluate`` results) of perplexity against length, log scales (``mode="mixed"``
+    takes every row whatever its mode)."""
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for label, results in runs.items():
-        rows = sorted((r for r in results["perplexity"] if r["mode"] == mode), key=lambda r: r["length"])
+        rows = sorted((r for r in results["perplexity"] if mode == "mixed" or r["mode"] == mode),
+                      key=lambda r: r["length"])
         axis.plot([r["length"] for r in rows], [r["perplexity"] for r in rows], marker="o", label=label)
     if trained_length:
         axis.axvline(trained_length, color="grey", linestyle="--", linewidth=1, label="trained length")
