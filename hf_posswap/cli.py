@@ -97,6 +97,64 @@ def _eval(argv: list[str]) -> int:
     return 0
 
 
+def _load_any(path: str):
+    """A checkpoint through the Auto class of its saved architecture."""
+    from transformers import AutoConfig
+
+    from .autoload import AUTO_CLASSES
+
+    return _auto_class_for(AutoConfig.from_pretrained(path), AUTO_CLASSES).from_pretrained(path)
+
+
+def _save_with_tokenizer(model, source: str, output: str) -> None:
+    model.save_pretrained(output)
+    try:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(source).save_pretrained(output)
+    except (OSError, ValueError):
+        pass  # a checkpoint without a tokenizer stays without one
+
+
+def _swap_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hf-posswap swap", description="Swap a checkpoint's positions and save it.")
+    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser.add_argument("--scheme", required=True, help="scheme name (see `hf-posswap schemes`)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=JSON", help="a scheme option")
+    parser.add_argument("--output", required=True, help="directory to write")
+    args = parser.parse_args(argv)
+    from .describe import describe
+    from .swap import swap, swap_state
+    from .training.config import parse_options
+
+    model = _load_any(args.model)
+    swap(model, args.scheme, replace=swap_state(model) is not None, **parse_options(args.option))
+    _save_with_tokenizer(model, args.model, args.output)
+    print(describe(model))
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _extend_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hf-posswap extend", description="Extend a checkpoint's context and save.")
+    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser.add_argument("--to", type=int, required=True, help="new context length in tokens")
+    parser.add_argument("--method", help="yarn, dynamic, linear, ntk, longrope, llama3, self_extend, interpolate, ...")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=JSON", help="a method option")
+    parser.add_argument("--output", required=True, help="directory to write")
+    args = parser.parse_args(argv)
+    from .describe import describe
+    from .extend import extend_context
+    from .training.config import parse_options
+
+    model = _load_any(args.model)
+    extend_context(model, args.to, args.method, **parse_options(args.option))
+    _save_with_tokenizer(model, args.model, args.output)
+    print(describe(model))
+    print(f"wrote {args.output}")
+    return 0
+
+
 def _inspect(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hf-posswap inspect", description="Pictures of a model's position scheme.")
     parser.add_argument("--model", required=True, help="checkpoint directory")
@@ -138,10 +196,12 @@ COMMANDS = {
     "demo": _demo,
     "eval": _eval,
     "export": _export,
+    "extend": _extend_command,
     "finetune": _finetune,
     "inspect": _inspect,
     "plot": _plot,
     "schemes": _schemes,
+    "swap": _swap_command,
 }
 
 
@@ -149,9 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(
-            "usage: hf-posswap {demo,eval,export,finetune,inspect,plot,schemes} [options]\n\n"
+            "usage: hf-posswap {demo,eval,export,extend,finetune,inspect,plot,schemes,swap} [options]\n\n"
             "  demo     swap the built-in SmolLM2 checkpoint to several schemes and compare them\n"
             "  eval     perplexity against length and passkey retrieval, as JSON\n"
+            "  swap     swap a checkpoint's position scheme and save it\n"
+            "  extend   extend a checkpoint's context length and save it\n"
             "  export   write a trust_remote_code checkpoint that loads without hf_posswap\n"
             "  finetune fine-tune a model with swapped positions (accelerate; LoRA via peft)\n"
             "  inspect  pictures of a position scheme (cosine distances, RoPE q.k, bias heads)\n"

@@ -131,15 +131,21 @@ def build_parser(prog: str = "hf-posswap finetune") -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
-    options = {}
-    for item in args.scheme_option:
+def parse_options(items: list[str]) -> dict[str, Any]:
+    """``["num_buckets=64", "scaling={...}"]`` -> dict; values are JSON when they parse, else strings."""
+    options: dict[str, Any] = {}
+    for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise InvalidConfigError(f"--scheme-option expects KEY=VALUE, got {item!r}.")
+            raise InvalidConfigError(f"Options are KEY=VALUE, got {item!r}.")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
+    return options
+
+
+def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
+    options = parse_options(args.scheme_option)
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(FinetuneConfig) if hasattr(args, f.name)}
     return FinetuneConfig(**{**values, "scheme_options": options})
