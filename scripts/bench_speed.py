@@ -2,11 +2,12 @@
 
 For each case (LLaMA -> alibi, LLaMA -> t5, GPT-2 -> rope by default) and each length, the native and the
 patched model run alternately (A/B, A/B, ...) and the script reports medians and the patched/native ratio for a
-forward pass and a training step (forward + backward). Absolute times on shared machines are noise; ratios
-measured side by side are the result.
+forward pass, a training step (forward + backward) and cached decoding (tokens/s after a prompt of that length),
+plus the peak resident memory of one forward, measured in a fresh subprocess per model (ru_maxrss). Absolute
+times on shared machines are noise; ratios measured side by side are the result.
 
-    python scripts/bench_speed.py                      # 512 and 2048 tokens, small models from configs
-    python scripts/bench_speed.py --lengths 512 --repeats 3 --output bench.md
+    python scripts/bench_speed.py                      # 512, 2048 and 8192 tokens, small models from configs
+    python scripts/bench_speed.py --lengths 512 --repeats 3 --steps forward decode --output bench.md
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -53,6 +55,33 @@ def train_step(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
     model(input_ids=input_ids, labels=input_ids).loss.backward()
 
 
+def decode_step(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int = 16) -> None:
+    """Greedy generation of ``new_tokens`` with the KV cache after the prompt (the prefill is included)."""
+    with torch.no_grad():
+        model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                       pad_token_id=0)
+
+
+def peak_memory_mb(family: str, scheme: str | None, length: int) -> float:
+    """Peak resident memory (MB, ru_maxrss) of a fresh process that builds the model and runs one forward of
+    ``length`` tokens: the interpreter, torch and the weights are in it too, so compare the difference."""
+    import subprocess
+    import sys
+
+    swap_line = f"ps.swap(m, {scheme!r})" if scheme else "pass"
+    code = "\n".join([
+        "import resource, sys, torch",
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})",
+        "import bench_speed as b, hf_posswap as ps",
+        f"m = b.build({family!r}, {length}).eval()",
+        swap_line,
+        f"b.forward_step(m, torch.randint(0, 4096, (1, {length})))",
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)",
+    ])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(result.stdout.strip().splitlines()[-1])
+
+
 def alternate(native: Callable[[], None], patched: Callable[[], None], repeats: int) -> tuple[float, float]:
     """Median seconds of each, measured alternately after one warm-up run each."""
     native(), patched()
@@ -65,7 +94,11 @@ def alternate(native: Callable[[], None], patched: Callable[[], None], repeats: 
     return statistics.median(times["native"]), statistics.median(times["patched"])
 
 
-def run(cases: list[str], lengths: list[int], repeats: int) -> list[dict]:
+STEPS = {"forward": forward_step, "train": train_step, "decode": decode_step}
+LABELS = {"forward": "forward ms", "train": "train step ms", "decode": "prefill + 16 cached decode steps ms"}
+
+
+def run(cases: list[str], lengths: list[int], repeats: int, steps: list[str], memory: bool) -> list[dict]:
     rows = []
     for case in cases:
         family, scheme = CASES[case]
@@ -73,7 +106,8 @@ def run(cases: list[str], lengths: list[int], repeats: int) -> list[dict]:
             native, patched = build(family, length), build(family, length)
             ps.swap(patched, scheme)
             input_ids = torch.randint(0, 4096, (1, length), generator=torch.Generator().manual_seed(length))
-            for step_name, step in (("forward", forward_step), ("train step", train_step)):
+            for step_name in steps:
+                step = STEPS[step_name]
                 native.train(step is train_step), patched.train(step is train_step)
                 t_native, t_patched = alternate(
                     functools.partial(step, native, input_ids), functools.partial(step, patched, input_ids), repeats
@@ -81,7 +115,7 @@ def run(cases: list[str], lengths: list[int], repeats: int) -> list[dict]:
                 row = {
                     "case": case,
                     "tokens": length,
-                    "step": step_name,
+                    "step": LABELS[step_name],
                     "native_ms": 1e3 * t_native,
                     "patched_ms": 1e3 * t_patched,
                     "ratio": t_patched / t_native,
@@ -92,6 +126,12 @@ def run(cases: list[str], lengths: list[int], repeats: int) -> list[dict]:
                     flush=True,
                 )
                 rows.append(row)
+            if memory:
+                native_mb, patched_mb = peak_memory_mb(family, None, length), peak_memory_mb(family, scheme, length)
+                rows.append({"case": case, "tokens": length, "step": "peak RSS MB",
+                             "native_ms": native_mb, "patched_ms": patched_mb, "ratio": patched_mb / native_mb})
+                print(f"{case:12s} {length:6d} memory     native {native_mb:9.1f} MB patched {patched_mb:9.1f} MB",
+                      flush=True)
     return rows
 
 
@@ -100,7 +140,10 @@ def markdown(rows: list[dict], repeats: int) -> str:
         f"Medians of {repeats} alternating runs, torch {torch.__version__}, {torch.get_num_threads()} threads, "
         "fp32, sdpa, batch 1; models: 4 layers, hidden 256, 8 heads (LLaMA: 2 kv heads).",
         "",
-        "| case | tokens | step | native ms | patched ms | patched / native |",
+        "Memory rows: peak resident MB of a fresh process that builds the model and runs one forward (interpreter,",
+        "torch and weights included), instead of milliseconds.",
+        "",
+        "| case | tokens | measure | native | patched | patched / native |",
         "|---|---|---|---|---|---|",
     ]
     lines += [
@@ -114,11 +157,13 @@ def markdown(rows: list[dict], repeats: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--lengths", nargs="+", type=int, default=[512, 2048])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[512, 2048, 8192])
+    parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=list(STEPS))
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", help="write the markdown table here")
     args = parser.parse_args()
-    rows = run(args.cases, args.lengths, args.repeats)
+    rows = run(args.cases, args.lengths, args.repeats, args.steps, not args.no_memory)
     table = markdown(rows, args.repeats)
     print("\n" + table)
     if args.output:
