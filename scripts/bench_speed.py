@@ -41,7 +41,8 @@ def build(family: str, max_positions: int) -> torch.nn.Module:
             max_position_embeddings=max_positions,
         )
         return LlamaForCausalLM(config)
-    config = GPT2Config(vocab_size=4096, n_embd=256, n_layer=4, n_head=8, n_positions=max_positions)
+    # the table must also hold the tokens that the decode benchmark generates
+    config = GPT2Config(vocab_size=4096, n_embd=256, n_layer=4, n_head=8, n_positions=max_positions + 64)
     return GPT2LMHeadModel(config)
 
 
@@ -63,20 +64,21 @@ def decode_step(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int
 
 
 def peak_memory_mb(family: str, scheme: str | None, length: int) -> float:
-    """Peak resident memory (MB, ru_maxrss) of a fresh process that builds the model and runs one forward of
+    """Peak resident memory (MB, VmHWM) of a fresh process that builds the model and runs one forward of
     ``length`` tokens: the interpreter, torch and the weights are in it too, so compare the difference."""
     import subprocess
     import sys
 
     swap_line = f"ps.swap(m, {scheme!r})" if scheme else "pass"
     code = "\n".join([
-        "import resource, sys, torch",
+        "import sys, torch",
         f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})",
         "import bench_speed as b, hf_posswap as ps",
         f"m = b.build({family!r}, {length}).eval()",
         swap_line,
         f"b.forward_step(m, torch.randint(0, 4096, (1, {length})))",
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)",
+        # VmHWM: this process's own high-water mark (ru_maxrss would carry the parent's over fork + exec)
+        "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')) / 1024)",
     ])
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(result.stdout.strip().splitlines()[-1])
