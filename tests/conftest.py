@@ -19,6 +19,7 @@ from transformers import (
 )
 
 import hf_posswap as ps
+from hf_posswap.evaluation import BYTE_VOCAB_SIZE, byte_tokenizer
 
 VOCAB = 96
 MAX_POSITIONS = 64
@@ -97,23 +98,7 @@ def family(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-def byte_tokenizer():
-    """A byte-level tokenizer (256 byte tokens + <eos> + [MASK] + [PAD]) built offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {symbol: index for index, symbol in enumerate(sorted(alphabet))}
-    for special in ("<eos>", "[MASK]", "[PAD]"):
-        vocab[special] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", mask_token="[MASK]",
-                                   pad_token="[PAD]")
-
-
-BYTE_VOCAB = 259
+BYTE_VOCAB = BYTE_VOCAB_SIZE
 
 
 def save_tiny_checkpoint(family: str, directory, seed: int = 0):

@@ -102,6 +102,54 @@ def test_copy_model_retrieves_every_passkey() -> None:
     assert passkey_accuracy(UniformModel(len(tokenizer)), tokenizer, 300, 0.5, trials=3).accuracy == 0.0
 
 
+def test_one_pass_passkey_check_agrees_with_greedy_decoding() -> None:
+    """The one-forward check decides each trial as plain greedy decoding does: copying models that look back 1-12
+    tokens (right, wrong, or drifting mid-key) and a random LLaMA."""
+    from hf_posswap.evaluation.passkey import _greedy, _greedy_finds_key
+
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    models = [CopyModel(len(tokenizer), n) for n in (1, 2, 3, 12)]
+    models.append(_random_byte_llama())
+    outcomes = []
+    for trial, depth in enumerate((0.0, 0.3, 1.0)):
+        key = f"{13_579 + 7_919 * trial}"
+        prompt = passkey_prompt(tokenizer, 150, depth, key)
+        # answers without the leading space: right only after decoding greedily
+        unspaced = ScriptedModel(len(tokenizer), prompt.numel(), tokenizer(key)["input_ids"])
+        for model in [*models, unspaced]:
+            greedy = tokenizer.decode(_greedy(model, prompt, 7)).strip().startswith(key)
+            assert _greedy_finds_key(model, tokenizer, prompt, key) == greedy
+            outcomes.append(greedy)
+        assert greedy  # the unspaced answer counts
+    assert any(outcomes) and not all(outcomes)
+
+
+class ScriptedModel(nn.Module):
+    """Predicts ``script[k]`` at position prompt_length - 1 + k, whatever the input."""
+
+    def __init__(self, vocab: int, prompt_length: int, script: list[int]) -> None:
+        super().__init__()
+        self.vocab, self.start, self.script = vocab, prompt_length - 1, script
+        self.anchor = nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids: torch.Tensor) -> Output:
+        logits = torch.zeros(1, input_ids.shape[1], self.vocab)
+        for k, token in enumerate(self.script):
+            if self.start + k < input_ids.shape[1]:
+                logits[0, self.start + k, token] = 10.0
+        return Output(logits)
+
+
+def _random_byte_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    return LlamaForCausalLM(config).eval()
+
+
 def test_passkey_prompt_length_and_depth() -> None:
     tokenizer = byte_tokenizer()
     for depth in (0.0, 0.25, 1.0):

@@ -18,13 +18,16 @@ from torch import nn
 from .corpora import CORPORA, corpus_text, text_digest
 from .passkey import PasskeyResult, passkey_accuracy, passkey_prompt
 from .perplexity import MODES, PerplexityResult, perplexity
+from .tokenizer import BYTE_VOCAB_SIZE, byte_tokenizer
 
 __all__ = [
+    "BYTE_VOCAB_SIZE",
     "CORPORA",
     "MODES",
     "PasskeyResult",
     "PerplexityResult",
     "corpus_text",
+    "byte_tokenizer",
     "evaluate",
     "passkey_accuracy",
     "passkey_prompt",

@@ -21,23 +21,26 @@ class PasskeyResult:
     trials: int
 
 
-def passkey_prompt(tokenizer, length: int, depth: float, key: str) -> torch.Tensor:
-    """Token ids of about ``length`` tokens: filler, the needle at ``depth`` (0 = start, 1 = end), the question."""
+def passkey_prompt(tokenizer, length: int, depth: float, key: str, filler: str = FILLER) -> torch.Tensor:
+    """Token ids of about ``length`` tokens: filler, the needle at ``depth`` (0 = start, 1 = end), the question.
+
+    ``filler`` replaces the default filler text; byte-level models find the key more easily when the filler shares
+    no long substring with the needle (the default's "sky is" ends like "key is")."""
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
     fixed = len(tokenizer(needle + QUESTION, add_special_tokens=False)["input_ids"])
-    filler_ids = tokenizer(FILLER, add_special_tokens=False)["input_ids"]
+    filler_ids = tokenizer(filler, add_special_tokens=False)["input_ids"]
     budget = max(length - fixed, 0)
     repeats = budget // max(len(filler_ids), 1) + 1
-    filler = tokenizer(FILLER * repeats, add_special_tokens=False)["input_ids"][:budget]
-    cut = int(round(depth * len(filler)))
-    ids = filler[:cut] + tokenizer(needle, add_special_tokens=False)["input_ids"] + filler[cut:]
+    filler_ids = tokenizer(filler * repeats, add_special_tokens=False)["input_ids"][:budget]
+    cut = int(round(depth * len(filler_ids)))
+    ids = filler_ids[:cut] + tokenizer(needle, add_special_tokens=False)["input_ids"] + filler_ids[cut:]
     ids += tokenizer(" " + QUESTION if ids else QUESTION, add_special_tokens=False)["input_ids"]
     return torch.tensor(ids)
 
 
 @torch.no_grad()
 def passkey_accuracy(
-    model: nn.Module, tokenizer, length: int, depth: float, trials: int = 5, seed: int = 0
+    model: nn.Module, tokenizer, length: int, depth: float, trials: int = 5, seed: int = 0, filler: str = FILLER
 ) -> PasskeyResult:
     """Share of trials whose greedy continuation starts with the key (keys drawn from ``seed``)."""
     rng = random.Random(seed * 1_000_003 + length * 101 + int(depth * 1000))
@@ -45,10 +48,30 @@ def passkey_accuracy(
     device = next(model.parameters()).device
     for _ in range(trials):
         key = f"{rng.randrange(10_000, 100_000)}"
-        prompt = passkey_prompt(tokenizer, length, depth, key).to(device)
-        answer = _greedy(model, prompt, len(tokenizer(" " + key, add_special_tokens=False)["input_ids"]) + 1)
-        correct += tokenizer.decode(answer).strip().startswith(key)
+        prompt = passkey_prompt(tokenizer, length, depth, key, filler).to(device)
+        correct += _greedy_finds_key(model, tokenizer, prompt, key)
     return PasskeyResult(length, depth, correct / trials, trials)
+
+
+def _greedy_finds_key(model: nn.Module, tokenizer, prompt: torch.Tensor, key: str) -> bool:
+    """Whether greedy decoding after ``prompt`` starts with ``key`` (after stripping whitespace), mostly in one
+    forward pass: feed prompt + " key" and compare each argmax with the answer token. All equal: greedy produces
+    the answer. First difference at token j: greedy has produced answer[:j] + argmax_j; if that text can no longer
+    start with the key, greedy fails; only when it still can (another split of the same characters, other
+    whitespace) is the answer decided by decoding greedily. Equal to plain greedy decoding up to float rounding,
+    except for scalings whose frequencies depend on the input length (dynamic NTK, LongRoPE), which here see the
+    length of prompt + answer."""
+    answer = tokenizer(" " + key, add_special_tokens=False)["input_ids"]
+    ids = torch.cat([prompt, prompt.new_tensor(answer)])
+    logits = model(input_ids=ids[None]).logits[0, prompt.numel() - 1 : -1]  # [answer tokens, vocab]
+    predicted = logits.argmax(-1).tolist()
+    mismatch = next((j for j, (p, a) in enumerate(zip(predicted, answer, strict=True)) if p != a), None)
+    if mismatch is None:
+        return True
+    produced = tokenizer.decode(answer[:mismatch] + [predicted[mismatch]]).strip()
+    if not (key.startswith(produced) or produced.startswith(key)):
+        return False
+    return tokenizer.decode(_greedy(model, prompt, len(answer) + 1)).strip().startswith(key)
 
 
 def _greedy(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> list[int]:
