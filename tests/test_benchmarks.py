@@ -50,19 +50,21 @@ def test_bench_tiny_writes_table_plot_and_readme_section(tmp_path) -> None:
     readme = tmp_path / "README.md"
     readme.write_text("# x\n<!-- bench-tiny:start -->\nold\n<!-- bench-tiny:end -->\nafter\n", encoding="utf-8")
     out = tmp_path / "out"
-    argv = ["--quick", "--schemes", "learned", "alibi", "rope", "--scalings", "yarn", "longrope", "self_extend", "--steps", "2",
-            "--finetune-steps", "1", "--length", "16", "--trials", "1", "--output-dir", str(out),
-            "--readme", str(readme)]
+    argv = ["--quick", "--schemes", "learned", "alibi", "rope", "--scalings", "yarn", "longrope", "self_extend",
+            "--steps", "2", "--finetune-steps", "1", "--length", "16", "--trials", "1", "--seeds", "0", "1",
+            "--output-dir", str(out), "--readme", str(readme)]
     assert bench_tiny.main(argv) == 0
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
     assert list(results["runs"]) == ["learned", "alibi", "rope", "rope+yarn (zero-shot)", "rope+yarn (fine-tuned)",
                                      "rope+longrope (zero-shot)", "rope+longrope (fine-tuned)",
                                      "rope+self_extend (zero-shot)", "rope+self_extend (fine-tuned)"]
+    assert all(len(rows) == 2 for rows in results["runs"].values())  # one row per seed
     row = results["runs"]["alibi"][0]
     assert set(row["windows"]) == {"1", "2", "4", "8"} and set(row["tail"]) == {"2", "4", "8"}
     assert all(0.0 <= value <= 1.0 for value in row["passkey"].values())
     table = (out / "results.md").read_text(encoding="utf-8")
     assert "| rope+yarn (fine-tuned)" in table and "ppl 8x" in table and "passkey 8x" in table
+    assert "seeds 0, 1 (mean ± std)" in table and " ± " in table.split("| alibi")[1].splitlines()[0]
     assert (out / "bench_tiny.png").stat().st_size > 10_000
     text = readme.read_text(encoding="utf-8")
     assert "old" not in text and "| alibi" in text and text.endswith("<!-- bench-tiny:end -->\nafter\n")
