@@ -299,8 +299,7 @@ def markdown(results: dict) -> str:
         "|---" * (1 + 2 * len(factors) + len([f for f in factors if f > 1])) + "|",
     ]
     for label, rows in results["runs"].items():
-        cells = [_cell([r["windows"][str(f)] if str(f) in r["windows"] else r["windows"][f] for r in rows], ".2f")
-                 for f in factors]
+        cells = [_cell([_get(r["windows"], f) for r in rows], ".2f") for f in factors]
         cells += [_cell([_get(r["tail"], f) for r in rows], ".2f") for f in factors if f > 1]
         cells += [_cell([100 * _get(r["passkey"], f) for r in rows], ".0f") + " %" for f in factors]
         flag = " ⚠" if statistics.mean(_get(r["passkey"], 1) for r in rows) < 0.9 else ""
@@ -311,7 +310,8 @@ def markdown(results: dict) -> str:
 
 
 def _get(mapping: dict, factor: int):
-    return mapping[str(factor)] if str(factor) in mapping else mapping[factor]
+    """A per-factor value from results read back from JSON (whose keys are strings)."""
+    return mapping[str(factor)]
 
 
 def plot(results: dict, path: Path) -> Path:
