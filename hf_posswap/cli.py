@@ -1,17 +1,36 @@
-"""``hf-posswap``: the command line. Subcommands: ``demo`` (the main job), ``schemes`` (the support matrix)."""
+"""``hf-posswap``: the command line.
+
+Error policy: every user error (a bad value, a missing or corrupt file, an output that cannot be written) is a
+:class:`~hf_posswap.errors.PosSwapError` raised by validation before expensive work starts; ``main`` prints it as
+one line on stderr and exits 1 (2 for a malformed command line). ``OSError`` (a full disk, a permission) is also
+printed as one line. Anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Any
 
-from .errors import PosSwapError
+from .errors import InvalidConfigError, PosSwapError
+
+
+class UsageError(PosSwapError, ValueError):
+    """A malformed command line (unknown option, a value of the wrong type)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises :class:`UsageError` (printed as one line) instead of printing a usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def _schemes(argv: list[str]) -> int:
     from .matrix import support_matrix_markdown
 
-    argparse.ArgumentParser(prog="hf-posswap schemes", description="Print the family x scheme matrix.").parse_args(argv)
+    _Parser(prog="hf-posswap schemes", description="Print the family x scheme matrix.").parse_args(argv)
     print(support_matrix_markdown())
     return 0
 
@@ -24,46 +43,86 @@ def _demo(argv: list[str]) -> int:
 
 def _finetune(argv: list[str]) -> int:
     from .finetune import main as finetune_main
+    from .loading import inspect_model_path
+    from .training.config import build_parser
 
+    if "-h" not in argv and "--help" not in argv:
+        known, _ = build_parser().parse_known_args(argv)
+        if getattr(known, "model", None) is not None:
+            inspect_model_path(known.model)  # a missing or corrupt --model: one line, before anything runs
     return finetune_main(argv)
 
 
+def _options(items: list[str]) -> dict[str, Any]:
+    from .training.config import parse_options
+
+    options = parse_options(items)
+    for key in options:
+        if not key.isidentifier():
+            raise InvalidConfigError(f"--option {key!r}: option names are identifiers, as in --option factor=4.0.")
+    return options
+
+
+def _check_scheme(name: str, options: dict[str, Any]) -> None:
+    """An unknown scheme or a bad option fails here, before a model is loaded."""
+    from .schemes.base import SCHEME_REGISTRY
+
+    try:
+        SCHEME_REGISTRY.get(name).from_options(**options)
+    except PosSwapError:
+        raise
+    except (TypeError, ValueError) as error:
+        raise InvalidConfigError(f"--scheme {name} with options {options}: {error}") from error
+
+
+def _load(path: str, task: str = "saved", merge: bool = True):
+    """(model, tokenizer or None, source) for a checked ``--model`` path; adapters are merged unless asked not to."""
+    from .loading import inspect_model_path, load_model, load_tokenizer
+
+    source = inspect_model_path(path)
+    return load_model(source, task, merge=merge), load_tokenizer(source), source
+
+
+def _save(model, tokenizer, output: str, overwrite: bool) -> None:
+    """``save_pretrained`` (and the tokenizer) into a staging directory beside ``output``, then moved into place."""
+    from .saving import staged_directory
+
+    with staged_directory(output, overwrite) as staging:
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+
+
 def _export(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hf-posswap export",
         description="Write a trust_remote_code copy of an hf_posswap checkpoint that loads without hf_posswap.",
     )
-    parser.add_argument("checkpoint", help="a checkpoint saved from a swapped model")
+    parser.add_argument("checkpoint", help="a checkpoint saved from a swapped model (or a LoRA adapter of one)")
     parser.add_argument("output", help="directory to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint files in a non-empty output")
     args = parser.parse_args(argv)
-    from transformers import AutoConfig
-
-    from .autoload import AUTO_CLASSES
     from .export import export_standalone
+    from .loading import inspect_model_path
+    from .saving import check_output_dir
 
-    config = AutoConfig.from_pretrained(args.checkpoint)
-    model = _auto_class_for(config, AUTO_CLASSES).from_pretrained(args.checkpoint)
-    path = export_standalone(model, args.output)
+    check_output_dir(args.output, args.overwrite)
+    source = inspect_model_path(args.checkpoint, flag="checkpoint")
+    swapped = source.record.get("scheme") if source.record else "posswap" in source.config
+    if not swapped:
+        raise InvalidConfigError(
+            f"checkpoint {args.checkpoint!r} carries no hf_posswap swap (its config.json has no posswap record): "
+            "it already loads with plain transformers; copy it instead of exporting."
+        )
+    model, tokenizer, _ = _load(args.checkpoint)
+    path = export_standalone(model, args.output, overwrite=args.overwrite, tokenizer=tokenizer)
     print(f"wrote {path} ({type(model).__name__}); load it with trust_remote_code=True")
     return 0
 
 
-def _auto_class_for(config, auto_classes) -> type:
-    """The Auto class whose model for this config is the saved architecture (AutoModel when none matches)."""
-    architecture = (getattr(config, "architectures", None) or [""])[0].removeprefix("PosSwap")
-    for auto in auto_classes:
-        try:
-            model_class = auto._model_mapping[type(config)]
-        except KeyError:
-            continue
-        if model_class.__name__.removeprefix("PosSwap") == architecture:
-            return auto
-    return auto_classes[0]
-
-
 def _eval(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hf-posswap eval", description="Perplexity against length and passkey.")
-    parser.add_argument("--model", required=True, help="checkpoint directory (hf_posswap or plain)")
+    parser = _Parser(prog="hf-posswap eval", description="Perplexity against length and passkey.")
+    parser.add_argument("--model", required=True, help="checkpoint or LoRA adapter directory (causal LMs only)")
     parser.add_argument("--lengths", nargs="*", type=int, default=[], help="context lengths for perplexity")
     parser.add_argument("--mode", nargs="+", default=["windows"], choices=["windows", "sliding", "tail"])
     parser.add_argument("--stride", type=int, help="sliding-window stride (default: length / 2)")
@@ -76,15 +135,24 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--output", help="write the results as JSON here")
     args = parser.parse_args(argv)
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from .evaluation import evaluate
+    from .evaluation.checks import check_settings
+    from .loading import inspect_model_path, load_model, load_tokenizer, read_text_files
+    from .saving import check_output_file
 
-    text = "\n\n".join(Path(p).read_text(encoding="utf-8") for p in args.text) if args.text else None
-    model = AutoModelForCausalLM.from_pretrained(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    check_settings(args.lengths, args.mode, args.stride, args.tail_from, args.max_windows, args.passkey_lengths,
+                   args.depths, args.trials)
+    if args.output:
+        check_output_file(args.output)
+    text = read_text_files(args.text) if args.text else None
+    source = inspect_model_path(args.model)
+    if not source.is_causal():
+        raise InvalidConfigError(
+            f"--model {args.model!r} is a {source.model_type} encoder (bidirectional attention): next-token "
+            "perplexity and passkey retrieval do not apply to it. Evaluate a causal LM (GPT-2, LLaMA, ...)."
+        )
+    tokenizer = load_tokenizer(source, required=True)
+    model = load_model(source, "causal")
     results = evaluate(model, tokenizer, args.lengths, text=text, corpus=args.corpus, modes=args.mode,
                        stride=args.stride, tail_from=args.tail_from, max_windows=args.max_windows or None,
                        passkey_lengths=args.passkey_lengths, depths=args.depths, trials=args.trials,
@@ -97,95 +165,105 @@ def _eval(argv: list[str]) -> int:
     return 0
 
 
-def _load_any(path: str):
-    """A checkpoint through the Auto class of its saved architecture."""
-    from transformers import AutoConfig
-
-    from .autoload import AUTO_CLASSES
-
-    return _auto_class_for(AutoConfig.from_pretrained(path), AUTO_CLASSES).from_pretrained(path)
-
-
-def _save_with_tokenizer(model, source: str, output: str) -> None:
-    model.save_pretrained(output)
-    try:
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(source).save_pretrained(output)
-    except (OSError, ValueError):
-        pass  # a checkpoint without a tokenizer stays without one
-
-
 def _swap_command(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hf-posswap swap", description="Swap a checkpoint's positions and save it.")
-    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser = _Parser(prog="hf-posswap swap", description="Swap a checkpoint's positions and save it.")
+    parser.add_argument("--model", required=True, help="checkpoint directory (a LoRA adapter is merged first)")
     parser.add_argument("--scheme", required=True, help="scheme name (see `hf-posswap schemes`)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=JSON", help="a scheme option")
     parser.add_argument("--output", required=True, help="directory to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint files in a non-empty output")
     args = parser.parse_args(argv)
     from .describe import describe
+    from .saving import check_output_dir
     from .swap import swap, swap_state
-    from .training.config import parse_options
 
-    model = _load_any(args.model)
-    swap(model, args.scheme, replace=swap_state(model) is not None, **parse_options(args.option))
-    _save_with_tokenizer(model, args.model, args.output)
+    options = _options(args.option)
+    _check_scheme(args.scheme, options)
+    check_output_dir(args.output, args.overwrite)
+    model, tokenizer, _ = _load(args.model)
+    swap(model, args.scheme, replace=swap_state(model) is not None, **options)
+    _save(model, tokenizer, args.output, args.overwrite)
     print(describe(model))
     print(f"wrote {args.output}")
     return 0
 
 
 def _extend_command(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hf-posswap extend", description="Extend a checkpoint's context and save.")
-    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser = _Parser(prog="hf-posswap extend", description="Extend a checkpoint's context and save.")
+    parser.add_argument("--model", required=True, help="checkpoint directory (a LoRA adapter is merged first)")
     parser.add_argument("--to", type=int, required=True, help="new context length in tokens")
     parser.add_argument("--method", help="yarn, dynamic, linear, ntk, longrope, llama3, self_extend, interpolate, ...")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=JSON", help="a method option")
-    parser.add_argument("--output", required=True, help="directory to write")
+    parser.add_argument("--output", required=True, help="directory to write (the --model directory with --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint files in a non-empty output")
     args = parser.parse_args(argv)
     from .describe import describe
-    from .extend import extend_context
-    from .training.config import parse_options
+    from .extend import available_extension_methods, extend_context
+    from .saving import check_output_dir
 
-    model = _load_any(args.model)
-    extend_context(model, args.to, args.method, **parse_options(args.option))
-    _save_with_tokenizer(model, args.model, args.output)
+    if args.to < 1:
+        raise InvalidConfigError(f"--to {args.to}: the new context length must be a positive number of tokens.")
+    if args.method is not None and args.method not in available_extension_methods():
+        raise InvalidConfigError(f"--method {args.method!r} is unknown; choose from "
+                                 f"{', '.join(available_extension_methods())}.")
+    options = _options(args.option)
+    check_output_dir(args.output, args.overwrite)
+    model, tokenizer, _ = _load(args.model)
+    extend_context(model, args.to, args.method, **options)
+    _save(model, tokenizer, args.output, args.overwrite)
     print(describe(model))
     print(f"wrote {args.output}")
     return 0
 
 
 def _inspect(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hf-posswap inspect", description="Pictures of a model's position scheme.")
-    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser = _Parser(prog="hf-posswap inspect", description="Pictures of a model's position scheme.")
+    parser.add_argument("--model", required=True, help="checkpoint directory (or LoRA adapter directory)")
     parser.add_argument("--scheme", help="swap to this scheme first (default: what the checkpoint carries)")
     parser.add_argument("--length", type=int, default=256, help="positions to draw")
     parser.add_argument("--output", default="inspect", help="directory for the PNG files")
     args = parser.parse_args(argv)
-    from transformers import AutoModel
-
+    from .evaluation.checks import check_lengths_fit
     from .evaluation.plots import position_pictures
+    from .saving import check_output_file
     from .swap import swap, swap_state
 
-    model = AutoModel.from_pretrained(args.model)
+    if args.length < 2:
+        raise InvalidConfigError(f"--length {args.length}: draw at least 2 positions.")
+    if args.scheme:
+        _check_scheme(args.scheme, {})
+    if Path(args.output).exists() and not Path(args.output).is_dir():
+        raise InvalidConfigError(f"--output {args.output!r} is a file; give a directory for the PNG files.")
+    check_output_file(Path(args.output) / "picture.png")  # the parent must exist and be writable
+    model, _, _ = _load(args.model)
     if args.scheme:
         swap(model, args.scheme, replace=swap_state(model) is not None)
+    check_lengths_fit(model, args.length)
+    Path(args.output).mkdir(exist_ok=True)
     for path in position_pictures(model, args.output, args.length):
         print(f"wrote {path}")
     return 0
 
 
 def _plot(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hf-posswap plot", description="Plot `hf-posswap eval` results.")
+    parser = _Parser(prog="hf-posswap plot", description="Plot `hf-posswap eval` results.")
     parser.add_argument("runs", nargs="+", help="results.json files, optionally labelled: label=results.json")
     parser.add_argument("--mode", default="windows", choices=["windows", "sliding", "tail"])
     parser.add_argument("--trained-length", type=int, help="draw a line at the trained length")
     parser.add_argument("--output", default="perplexity.png")
     parser.add_argument("--passkey-output", help="also draw the passkey heatmap of the first run here")
     args = parser.parse_args(argv)
-    from .evaluation.plots import load_runs, plot_passkey, plot_perplexity
+    from .evaluation.plots import check_picture_path, load_runs, plot_passkey, plot_perplexity
+    from .saving import check_output_file
 
-    runs = load_runs(args.runs)
+    if args.trained_length is not None and args.trained_length < 1:
+        raise InvalidConfigError(f"--trained-length {args.trained_length}: give a positive number of tokens.")
+    check_output_file(args.output)
+    check_picture_path(args.output)
+    if args.passkey_output:
+        check_output_file(args.passkey_output, flag="--passkey-output")
+        check_picture_path(args.passkey_output, flag="--passkey-output")
+    runs = load_runs(args.runs, args.mode, passkey=bool(args.passkey_output))
     print(f"wrote {plot_perplexity(runs, args.output, args.mode, args.trained_length)}")
     if args.passkey_output:
         print(f"wrote {plot_passkey(next(iter(runs.values())), args.passkey_output)}")
@@ -204,23 +282,25 @@ COMMANDS = {
     "swap": _swap_command,
 }
 
+USAGE = """usage: hf-posswap {demo,eval,export,extend,finetune,inspect,plot,schemes,swap} [options]
+
+  demo     swap the built-in SmolLM2 checkpoint to several schemes and compare them
+  eval     perplexity against length and passkey retrieval, as JSON
+  swap     swap a checkpoint's position scheme and save it
+  extend   extend a checkpoint's context length and save it
+  export   write a trust_remote_code checkpoint that loads without hf_posswap
+  finetune fine-tune a model with swapped positions (accelerate; LoRA via peft)
+  inspect  pictures of a position scheme (cosine distances, RoPE q.k, bias heads)
+  plot     perplexity-against-length and passkey pictures from `eval` results
+  schemes  print the family x scheme support matrix
+
+Run `hf-posswap COMMAND --help` for the options of one command."""
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(
-            "usage: hf-posswap {demo,eval,export,extend,finetune,inspect,plot,schemes,swap} [options]\n\n"
-            "  demo     swap the built-in SmolLM2 checkpoint to several schemes and compare them\n"
-            "  eval     perplexity against length and passkey retrieval, as JSON\n"
-            "  swap     swap a checkpoint's position scheme and save it\n"
-            "  extend   extend a checkpoint's context length and save it\n"
-            "  export   write a trust_remote_code checkpoint that loads without hf_posswap\n"
-            "  finetune fine-tune a model with swapped positions (accelerate; LoRA via peft)\n"
-            "  inspect  pictures of a position scheme (cosine distances, RoPE q.k, bias heads)\n"
-            "  plot     perplexity-against-length and passkey pictures from `eval` results\n"
-            "  schemes  print the family x scheme support matrix\n\n"
-            "Run `hf-posswap COMMAND --help` for the options of one command."
-        )
+        print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
@@ -228,9 +308,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[command](rest)
-    except (PosSwapError, FileNotFoundError, RuntimeError) as error:
+    except UsageError as error:
         print(f"hf-posswap {command}: {error}", file=sys.stderr)
+        return 2
+    except (PosSwapError, OSError) as error:
+        print(f"hf-posswap {command}: {_one_line(error)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"hf-posswap {command}: interrupted; outputs are written atomically, so nothing half-written was "
+              "left.", file=sys.stderr)
+        return 130
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 if __name__ == "__main__":

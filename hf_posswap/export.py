@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -42,48 +41,56 @@ def bundle_source() -> str:
     return "".join(parts)
 
 
-def export_standalone(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
+def export_standalone(
+    model: nn.Module, directory: str | os.PathLike[str], overwrite: bool = False, tokenizer: Any = None
+) -> Path:
     """Save ``model`` (swapped by hf_posswap) so that ``AutoModel*.from_pretrained(directory,
-    trust_remote_code=True)`` rebuilds it with vanilla transformers and no hf_posswap. Written atomically."""
+    trust_remote_code=True)`` rebuilds it with vanilla transformers and no hf_posswap.
+
+    Written atomically into a staging directory beside ``directory``. A non-empty ``directory`` is refused unless
+    ``overwrite``; then only the checkpoint's own files (config, weights, remote code, tokenizer) are replaced and
+    every other file stays. ``tokenizer`` (optional) is saved with the model."""
     state = swap_state(model)
     if state is None:
         raise InvalidConfigError(
             f"{type(model).__name__} carries no hf_posswap swap; save it with model.save_pretrained() instead."
         )
+    from .saving import check_output_dir, staged_directory
+
+    check_output_dir(directory, overwrite, flag="directory")
+    with staged_directory(directory, overwrite) as staging:
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        _write_remote_code(model, staging)
+    return Path(directory)
+
+
+def _write_remote_code(model: nn.Module, staging: Path) -> None:
+    """``modeling_posswap.py`` and config.json's ``auto_map`` pointing at its classes."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from .autoload import AUTO_CLASSES
 
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.staging-", dir=directory.parent))
-    try:
-        model.save_pretrained(staging)
-        family_type = getattr(model.config, "posswap_base_model_type", model.config.model_type)
-        base_config = CONFIG_MAPPING[family_type]
-        lines = [bundle_source(), "\n# ---- classes named by config.json's auto_map " + "-" * 40 + "\n"]
-        lines.append("import transformers as _transformers\n")
-        lines.append(f"PosSwapConfig = posswap_config_class(_transformers.{base_config.__name__})\n")
-        auto_map = {"AutoConfig": f"{REMOTE_FILE[:-3]}.PosSwapConfig"}
-        for auto in AUTO_CLASSES:
-            try:
-                base_model = auto._model_mapping[base_config]
-            except KeyError:
-                continue
-            class_name = f"PosSwap{base_model.__name__}"
-            lines.append(f"{class_name} = posswap_model_class(_transformers.{base_model.__name__})\n")
-            auto_map[auto.__name__] = f"{REMOTE_FILE[:-3]}.{class_name}"
-        (staging / REMOTE_FILE).write_text("".join(lines), encoding="utf-8")
-        config_path = staging / "config.json"
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-        config["auto_map"] = auto_map
-        config_path.write_text(json.dumps(config, indent=2), encoding="utf-8")
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(staging, directory)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return directory
+    family_type = getattr(model.config, "posswap_base_model_type", model.config.model_type)
+    base_config = CONFIG_MAPPING[family_type]
+    lines = [bundle_source(), "\n# ---- classes named by config.json's auto_map " + "-" * 40 + "\n"]
+    lines.append("import transformers as _transformers\n")
+    lines.append(f"PosSwapConfig = posswap_config_class(_transformers.{base_config.__name__})\n")
+    auto_map = {"AutoConfig": f"{REMOTE_FILE[:-3]}.PosSwapConfig"}
+    for auto in AUTO_CLASSES:
+        try:
+            base_model = auto._model_mapping[base_config]
+        except KeyError:
+            continue
+        class_name = f"PosSwap{base_model.__name__}"
+        lines.append(f"{class_name} = posswap_model_class(_transformers.{base_model.__name__})\n")
+        auto_map[auto.__name__] = f"{REMOTE_FILE[:-3]}.{class_name}"
+    (staging / REMOTE_FILE).write_text("".join(lines), encoding="utf-8")
+    config_path = staging / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["auto_map"] = auto_map
+    config_path.write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
 def _version() -> str:

@@ -9,15 +9,16 @@ import dataclasses
 import json
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..errors import InvalidConfigError
+from .checks import check_causal, check_lengths_fit, check_settings
 from .corpora import CORPORA, corpus_text, text_digest
-from .passkey import PasskeyResult, passkey_accuracy, passkey_prompt
-from .perplexity import MODES, PerplexityResult, perplexity
+from .passkey import PasskeyResult, passkey_accuracy, passkey_prompt, shortest_passkey_length
+from .perplexity import MODES, PerplexityResult, perplexity, plan_windows
 from .tokenizer import BYTE_VOCAB_SIZE, byte_tokenizer
 
 __all__ = [
@@ -52,11 +53,23 @@ def evaluate(
     output: str | os.PathLike[str] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Perplexity at each length and mode, and passkey accuracy by length x depth; optionally written as JSON."""
+    """Perplexity at each length and mode, and passkey accuracy by length x depth; optionally written as JSON.
+
+    Every setting is checked before the first forward pass (an impossible one never costs finished results).
+    ``max_windows``: windows per length; ``None`` or 0 means all of them (as the CLI's ``--max-windows 0``)."""
+    check_settings(lengths, modes, stride, tail_from, max_windows, passkey_lengths, depths, trials)
+    if output is not None:
+        from ..saving import check_output_file
+
+        check_output_file(output, flag="output")
+    check_causal(model)
     model.eval()
     source = "given text" if text is not None else f"corpus:{corpus}"
     text = text if text is not None else corpus_text(corpus)
+    if not text.strip():
+        raise InvalidConfigError("The evaluation text is empty; pass a text file with content, or a built-in corpus.")
     token_ids = torch.tensor(tokenizer(text)["input_ids"])
+    _check_before_running(model, tokenizer, token_ids, lengths, modes, stride, tail_from, passkey_lengths)
     results: dict[str, Any] = {
         "text": {"source": source, "sha256": text_digest(text), "tokens": int(token_ids.numel())},
         "perplexity": [],
@@ -64,12 +77,32 @@ def evaluate(
     }
     for length in lengths:
         for mode in modes:
-            result = perplexity(model, token_ids, length, mode, stride, tail_from, max_windows, progress)
+            result = perplexity(model, token_ids, length, mode, stride, tail_from, max_windows or None, progress)
             results["perplexity"].append(dataclasses.asdict(result))
     for length in passkey_lengths:
         for depth in depths:
             results["passkey"].append(dataclasses.asdict(passkey_accuracy(model, tokenizer, length, depth, trials)))
     if output is not None:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps(results, indent=2), encoding="utf-8")
+        from ..saving import write_file_atomic
+
+        write_file_atomic(output, json.dumps(results, indent=2))
     return results
+
+
+def _check_before_running(model: nn.Module, tokenizer, token_ids: torch.Tensor, lengths: Sequence[int],
+                          modes: Sequence[str], stride: int | None, tail_from: int | None,
+                          passkey_lengths: Sequence[int]) -> None:
+    """The checks that need the model, tokenizer or text, all before the first forward pass."""
+    for length in lengths:
+        for mode in modes:
+            plan_windows(model, token_ids, length, mode, stride, tail_from)
+    prompts = []
+    for length in passkey_lengths:
+        shortest = shortest_passkey_length(tokenizer)
+        if length < shortest:
+            raise InvalidConfigError(
+                f"Passkey length {length} is shorter than the needle and the question alone ({shortest} tokens); "
+                f"use passkey lengths >= {shortest}."
+            )
+        prompts.append(passkey_prompt(tokenizer, length, 0.5, "12345").numel() + 8)  # + the answer's tokens
+    check_lengths_fit(model, max([*lengths, *prompts], default=0))

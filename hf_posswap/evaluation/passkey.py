@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..errors import InvalidConfigError
+
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 QUESTION = "What is the pass key? The pass key is"
 
@@ -26,7 +28,8 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: str, filler: str =
 
     ``filler`` replaces the default filler text; byte-level models find the key more easily when the filler shares
     no long substring with the needle (the default's "sky is" ends like "key is")."""
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+    _check_passkey(length, depth)
+    needle = _needle(key)
     fixed = len(tokenizer(needle + QUESTION, add_special_tokens=False)["input_ids"])
     filler_ids = tokenizer(filler, add_special_tokens=False)["input_ids"]
     budget = max(length - fixed, 0)
@@ -38,11 +41,30 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: str, filler: str =
     return torch.tensor(ids)
 
 
+def _needle(key: str) -> str:
+    return f"The pass key is {key}. Remember it. {key} is the pass key. "
+
+
+def shortest_passkey_length(tokenizer) -> int:
+    """Tokens taken by the needle and the question alone: a passkey length below this cannot be built."""
+    return len(tokenizer(_needle("12345") + QUESTION, add_special_tokens=False)["input_ids"])
+
+
+def _check_passkey(length: int, depth: float, trials: int = 1) -> None:
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise InvalidConfigError(f"A passkey length must be a positive number of tokens, got {length!r}.")
+    if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0.0 <= depth <= 1.0:
+        raise InvalidConfigError(f"A passkey depth must be in [0, 1] (0 = start, 1 = end), got {depth!r}.")
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise InvalidConfigError(f"Passkey trials must be an integer >= 1, got {trials!r}.")
+
+
 @torch.no_grad()
 def passkey_accuracy(
     model: nn.Module, tokenizer, length: int, depth: float, trials: int = 5, seed: int = 0, filler: str = FILLER
 ) -> PasskeyResult:
     """Share of trials whose greedy continuation starts with the key (keys drawn from ``seed``)."""
+    _check_passkey(length, depth, trials)
     rng = random.Random(seed * 1_000_003 + length * 101 + int(depth * 1000))
     correct = 0
     device = next(model.parameters()).device

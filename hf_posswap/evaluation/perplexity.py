@@ -52,14 +52,11 @@ def perplexity(
     - ``tail``: non-overlapping windows; only predictions of positions >= ``tail_from`` count (default: the
       model's trained length), so early tokens do not flatter long-context numbers.
     """
-    if mode not in MODES:
-        raise InvalidConfigError(f"Unknown perplexity mode '{mode}'. Modes: {', '.join(MODES)}.")
-    if length < 2 or token_ids.numel() < length:
-        raise InvalidConfigError(
-            f"Length {length} needs at least {length} tokens of text (got {token_ids.numel()}) and must be >= 2."
-        )
-    starts, first_scored = _plan(token_ids.numel(), length, mode, stride, tail_from, model)
-    if max_windows is not None:
+    starts, first_scored = plan_windows(model, token_ids, length, mode, stride, tail_from)
+    if max_windows is not None and (isinstance(max_windows, bool) or not isinstance(max_windows, int)
+                                    or max_windows < 0):
+        raise InvalidConfigError(f"max_windows must be an integer >= 0 (0 or None: all windows), got {max_windows!r}.")
+    if max_windows:
         starts, first_scored = starts[:max_windows], first_scored[:max_windows]
     total, count = 0.0, 0
     iterator = zip(starts, first_scored, strict=True)
@@ -70,22 +67,38 @@ def perplexity(
     for start, first in iterator:
         nll, scored = window_nll(model, token_ids[start : start + length].to(_device(model)), first)
         total, count = total + nll, count + scored
-    mean = total / max(count, 1)
+    if count == 0:
+        raise InvalidConfigError(f"No token was scored at length {length} ({mode}); use a longer text or length.")
+    mean = total / count
     return PerplexityResult(length, mode, math.exp(mean), mean, count, len(starts))
+
+
+def plan_windows(
+    model: nn.Module, token_ids: torch.Tensor, length: int, mode: str, stride: int | None, tail_from: int | None
+) -> tuple[list[int], list[int]]:
+    """(window starts, first scored position of each); raises on any impossible setting, runs nothing."""
+    if mode not in MODES:
+        raise InvalidConfigError(f"Unknown perplexity mode '{mode}'. Modes: {', '.join(MODES)}.")
+    if isinstance(length, bool) or not isinstance(length, int) or length < 2 or token_ids.numel() < length:
+        raise InvalidConfigError(
+            f"Length {length} needs at least {length} tokens of text (got {token_ids.numel()}) and must be >= 2."
+        )
+    return _plan(token_ids.numel(), length, mode, stride, tail_from, model)
 
 
 def _plan(n_tokens: int, length: int, mode: str, stride: int | None, tail_from: int | None, model: nn.Module):
     if mode == "sliding":
-        stride = stride or length // 2
-        if not 0 < stride <= length:
+        stride = length // 2 if stride is None else stride
+        if isinstance(stride, bool) or not isinstance(stride, int) or not 0 < stride <= length:
             raise InvalidConfigError(f"stride must be in (0, {length}], got {stride}.")
         starts = list(range(0, n_tokens - length + 1, stride))
         # the first window scores everything; later ones only their last `stride` targets
         return starts, [1] + [length - stride] * (len(starts) - 1)
     starts = list(range(0, n_tokens - length + 1, length))
     if mode == "tail":
-        tail_from = tail_from or getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        if tail_from is None or not 0 < tail_from < length:
+        if tail_from is None:
+            tail_from = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if not isinstance(tail_from, int) or isinstance(tail_from, bool) or not 0 < tail_from < length:
             raise InvalidConfigError(
                 f"Tail NLL needs 0 < tail_from < length={length}, got {tail_from}; pass tail_from (e.g. the trained "
                 "length) and a longer length."

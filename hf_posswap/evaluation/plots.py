@@ -152,19 +152,63 @@ def _save(figure, path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    import io
+
+    from ..saving import write_file_atomic
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, dpi=110, format=check_picture_path(path))
     _pyplot().close(figure)
+    write_file_atomic(path, buffer.getvalue())
     return path
 
 
-def load_runs(paths: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """``label=results.json`` (or just the path) -> {label: results}."""
-    import json
+PICTURE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
+
+
+def check_picture_path(path: str | os.PathLike[str], flag: str = "--output") -> str:
+    """The picture format named by ``path``'s suffix; an unsupported one is refused before anything is drawn."""
+    from ..errors import InvalidConfigError
+
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in PICTURE_FORMATS:
+        raise InvalidConfigError(f"{flag} {str(path)!r}: pictures are written as {', '.join(PICTURE_FORMATS)}; "
+                                 "end the file name with one of them (e.g. perplexity.png).")
+    return suffix
+
+
+def load_runs(paths: Sequence[str], mode: str | None = None, passkey: bool = False) -> dict[str, dict[str, Any]]:
+    """``label=results.json`` (or just the path) -> {label: results}. A missing or malformed file, or (with
+    ``mode``) a run without perplexity rows of that mode, is refused with its name."""
+    from ..errors import InvalidConfigError
+    from ..loading import read_json
 
     runs = {}
     for item in paths:
         label, sep, path = item.partition("=")
-        if not sep:
+        if not sep or Path(item).exists():
             label, path = Path(item).stem, item
-        runs[label] = json.loads(Path(path).read_text(encoding="utf-8"))
+        if not Path(path).is_file():
+            raise InvalidConfigError(f"Results file {path!r} does not exist; pass the --output of hf-posswap eval.")
+        results = read_json(Path(path), flag="results")
+        _check_results(results, path, mode, passkey and not runs)  # the first run's passkey is drawn
+        runs[label] = results
     return runs
+
+
+def _check_results(results: dict[str, Any], path: str, mode: str | None, passkey: bool) -> None:
+    from ..errors import InvalidConfigError
+
+    rows = results.get("perplexity")
+    keys = ("length", "mode", "perplexity")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and all(k in r for k in keys) for r in rows):
+        raise InvalidConfigError(f"{path!r} is not an hf-posswap eval results file (needs a 'perplexity' list of "
+                                 "rows with length, mode and perplexity).")
+    if mode is not None and not any(r["mode"] == mode for r in rows):
+        found = sorted({str(r["mode"]) for r in rows}) or ["none"]
+        raise InvalidConfigError(f"{path!r} has no perplexity rows of mode {mode!r} (it has: {', '.join(found)}); "
+                                 "pass --mode with one of those.")
+    pass_rows = results.get("passkey")
+    if passkey and (not isinstance(pass_rows, list) or not pass_rows
+                    or not all(isinstance(r, dict) and {"length", "depth", "accuracy"} <= set(r) for r in pass_rows)):
+        raise InvalidConfigError(f"{path!r} has no passkey results to draw; run eval with --passkey-lengths.")

@@ -1,0 +1,117 @@
+"""Validation of evaluation settings, done before any forward pass so a bad setting never costs finished results.
+
+``check_settings`` needs no model (the CLI calls it before loading one); ``check_model`` needs the model and
+tokenizer but runs no forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from ..errors import InvalidConfigError
+from .perplexity import MODES
+
+_POSITION_TABLE = re.compile(r"(^|\.)(wpe|position_embeddings|posswap_positions)(\.|$)")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_ints(name: str, values: Sequence[Any], minimum: int, hint: str) -> None:
+    for value in values:
+        if not _is_int(value) or value < minimum:
+            raise InvalidConfigError(f"{name} must be integers >= {minimum}, got {value!r}; {hint}.")
+
+
+def check_settings(
+    lengths: Sequence[int],
+    modes: Sequence[str],
+    stride: int | None,
+    tail_from: int | None,
+    max_windows: int | None,
+    passkey_lengths: Sequence[int],
+    depths: Sequence[float],
+    trials: int,
+) -> None:
+    """Refuse impossible settings, naming the value and what is allowed; needs no model."""
+    if not lengths and not passkey_lengths:
+        raise InvalidConfigError("Nothing to measure: give perplexity lengths (--lengths) and/or passkey lengths "
+                                 "(--passkey-lengths).")
+    _check_ints("Perplexity lengths (--lengths)", lengths, 2, "a window needs at least 2 tokens")
+    for mode in modes:
+        if mode not in MODES:
+            raise InvalidConfigError(f"Unknown perplexity mode {mode!r}. Modes: {', '.join(MODES)}.")
+    if stride is not None:
+        _check_ints("The sliding stride (--stride)", [stride], 1, "pass a positive stride")
+        too_short = [n for n in lengths if stride > n]
+        if "sliding" in modes and too_short:
+            raise InvalidConfigError(f"The sliding stride {stride} exceeds length {too_short[0]}; use a stride "
+                                     f"in 1..{min(lengths)}.")
+    if tail_from is not None:
+        _check_ints("tail_from (--tail-from)", [tail_from], 1, "pass the trained length")
+        too_short = [n for n in lengths if n <= tail_from]
+        if "tail" in modes and too_short:
+            raise InvalidConfigError(
+                f"Tail NLL scores positions >= tail_from={tail_from}, so every length must exceed it; length "
+                f"{too_short[0]} does not. Use lengths > {tail_from} for --mode tail, or a smaller --tail-from."
+            )
+    if max_windows is not None:
+        _check_ints("max_windows (--max-windows)", [max_windows], 0, "0 or None means all windows")
+    _check_ints("Passkey lengths (--passkey-lengths)", passkey_lengths, 1, "pass prompt lengths in tokens")
+    for depth in depths:
+        if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0.0 <= depth <= 1.0 \
+                or not math.isfinite(depth):
+            raise InvalidConfigError(f"Passkey depths (--depths) must be in [0, 1] (0 = start, 1 = end), got "
+                                     f"{depth!r}.")
+    if passkey_lengths and not depths:
+        raise InvalidConfigError("Passkey lengths were given but no depths (--depths); pass depths in [0, 1].")
+    _check_ints("Passkey trials (--trials)", [trials], 1, "pass at least 1 trial")
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` predicts the next token from the tokens before it (BERT, an encoder, does not)."""
+    from ..families.base import FAMILY_REGISTRY
+
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    config = getattr(inner, "config", None)
+    model_type = getattr(config, "posswap_base_model_type", None) or getattr(config, "model_type", None)
+    if model_type in FAMILY_REGISTRY:
+        return FAMILY_REGISTRY.get(model_type).is_causal(config)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or bool(getattr(config, "is_decoder", False))
+
+
+def check_causal(model: nn.Module) -> None:
+    """Refuse an encoder: a causal perplexity or a greedy passkey answer of BERT means nothing."""
+    if not is_causal_lm(model):
+        raise InvalidConfigError(
+            f"{type(model).__name__} is not a causal language model (its attention sees the whole sequence), so "
+            "next-token perplexity and passkey retrieval do not apply. Evaluate a decoder (GPT-2, LLaMA, ...)."
+        )
+
+
+def learned_table_size(model: nn.Module) -> tuple[str, int] | None:
+    """(name, rows) of the smallest learned absolute position table, or ``None`` when the model has none."""
+    tables = [
+        (name, module.num_embeddings)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Embedding) and _POSITION_TABLE.search(name)
+    ]
+    return min(tables, key=lambda item: item[1]) if tables else None
+
+
+def check_lengths_fit(model: nn.Module, longest: int) -> None:
+    """Refuse a length past a learned position table (it would fail half-way with an IndexError)."""
+    table = learned_table_size(model)
+    if table is not None and longest > table[1]:
+        raise InvalidConfigError(
+            f"Length {longest} exceeds the model's learned position table ({table[0]}: {table[1]} positions). "
+            f"Use lengths <= {table[1]}, or extend the context first (hf-posswap extend --to {longest})."
+        )

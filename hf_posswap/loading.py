@@ -1,0 +1,347 @@
+"""Checked loading of a user-given model path, for every CLI command.
+
+``inspect_model_path(path)`` reads only small files (``config.json``, ``adapter_config.json``, the
+``posswap_adapter.json`` record, safetensors headers) and refuses a missing, corrupt or truncated checkpoint with one
+message naming the file and the fix, before any weights load. ``load_model(source)`` then loads it:
+
+- a checkpoint directory (plain or hf_posswap) through the Auto class of its saved architecture;
+- a LoRA adapter directory (``adapter_config.json``, as ``hf-posswap finetune --lora`` writes it): the base from
+  ``base_model_name_or_path``, swapped as ``posswap_adapter.json`` records, then :func:`hf_posswap.load_adapter`;
+- a Hugging Face Hub id (when the path does not exist and reads like one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .errors import PosSwapError
+
+ADAPTER_CONFIG = "adapter_config.json"
+WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+)
+ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?$")
+_MAX_HEADER = 100 * 2**20
+
+
+class CheckpointError(PosSwapError, ValueError):
+    """A model path that is missing, is not a checkpoint, or holds a corrupt or truncated file."""
+
+
+@dataclass
+class ModelSource:
+    """What a model path holds, read from its small files only."""
+
+    path: str
+    kind: str  # "checkpoint", "adapter" or "hub"
+    config: dict[str, Any] = field(default_factory=dict)
+    base: ModelSource | None = None
+    record: dict[str, Any] | None = None  # posswap_adapter.json of an adapter
+    adapter_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_type(self) -> str:
+        """The family's own model type (``gpt2`` for an ``hf_posswap_gpt2`` checkpoint)."""
+        config = self.base.config if self.base is not None else self.config
+        return str(config.get("model_type", "")).removeprefix("hf_posswap_")
+
+    def is_causal(self) -> bool:
+        """Whether the model predicts the next token (an encoder such as BERT does not)."""
+        config = self.base.config if self.base is not None else self.config
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if self.model_type == "bert" or self.model_type == "roberta":
+            return bool(config.get("is_decoder", False))
+        return self.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def inspect_model_path(value: str | os.PathLike[str], flag: str = "--model") -> ModelSource:
+    """Validate a model path from its small files; raises :class:`CheckpointError` naming the file and the fix."""
+    text = str(value)
+    path = Path(text).expanduser()
+    if not text.strip():
+        raise CheckpointError(f"{flag} is empty; give a checkpoint directory.")
+    if not path.exists():
+        if _HUB_ID.match(text) and not text.startswith((".", "~")):
+            return ModelSource(text, "hub", _hub_config(text, flag))
+        raise CheckpointError(
+            f"{flag} {text!r}: no such directory. Give a checkpoint directory (config.json + weights), an adapter "
+            "directory (adapter_config.json) or a Hugging Face Hub id."
+        )
+    if not path.is_dir():
+        raise CheckpointError(f"{flag} {text!r} is a file; give the directory that holds config.json and the weights.")
+    if (path / ADAPTER_CONFIG).exists():
+        return _inspect_adapter(path, text, flag)
+    if not (path / "config.json").exists():
+        raise CheckpointError(
+            f"{flag} {text!r} has no config.json (nor {ADAPTER_CONFIG}): not a checkpoint directory. Give the "
+            "directory written by save_pretrained."
+        )
+    config = read_json(path / "config.json", flag)
+    _check_model_type(config, path / "config.json")
+    _check_weights(path, WEIGHT_FILES, flag, text)
+    return ModelSource(text, "checkpoint", config)
+
+
+def read_json(path: Path, flag: str = "--model") -> dict[str, Any]:
+    """A JSON object from ``path``; any problem becomes one :class:`CheckpointError` naming the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise CheckpointError(f"{flag}: cannot read {str(path)!r}: {error.strerror or error}.") from error
+    except UnicodeDecodeError as error:
+        raise CheckpointError(f"{flag}: {str(path)!r} is not UTF-8 text (byte {error.start}); restore it.") from error
+    except json.JSONDecodeError as error:
+        raise CheckpointError(
+            f"{flag}: {str(path)!r} is not valid JSON ({error.msg} at line {error.lineno} column {error.colno}); "
+            "restore the file or re-save the checkpoint."
+        ) from error
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{flag}: {str(path)!r} must hold a JSON object, got {type(data).__name__}.")
+    return data
+
+
+def _check_model_type(config: dict[str, Any], path: Path) -> None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    known = isinstance(model_type, str) and model_type.removeprefix("hf_posswap_") in CONFIG_MAPPING
+    if not known:
+        raise CheckpointError(
+            f"{str(path)!r} has model_type {model_type!r}, which transformers does not know; restore config.json "
+            "(e.g. 'gpt2', 'bert', 'llama', or 'hf_posswap_<family>' for a swapped checkpoint)."
+        )
+
+
+def _check_weights(path: Path, names: tuple[str, ...], flag: str, text: str) -> None:
+    present = [name for name in names if (path / name).exists()]
+    if not present:
+        raise CheckpointError(f"{flag} {text!r} holds no weights (none of {', '.join(names)}); re-save the model.")
+    name = present[0]
+    if name.endswith(".index.json"):
+        index = read_json(path / name, flag)
+        shards = sorted(set((index.get("weight_map") or {}).values()))
+        missing = [shard for shard in shards if not (path / shard).exists()]
+        if not shards or missing:
+            raise CheckpointError(f"{flag}: {str(path / name)!r} names missing weight files {missing or '(none)'}; "
+                                  "copy them back or re-save the model.")
+        for shard in shards:
+            if shard.endswith(".safetensors"):
+                check_safetensors(path / shard)
+    elif name.endswith(".safetensors"):
+        check_safetensors(path / name)
+
+
+def check_safetensors(path: Path) -> None:
+    """Refuse a truncated or corrupt safetensors file from its header alone (no tensor is read)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as stream:
+            head = stream.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < length <= min(size - 8, _MAX_HEADER):
+                raise ValueError("header length out of range")
+            header = json.loads(stream.read(length))
+        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
+        raise CheckpointError(
+            f"{str(path)!r} is not a valid safetensors file ({error}); it is corrupt or truncated: re-save or "
+            "re-download the model."
+        ) from error
+    expected = 8 + length + max(ends, default=0)
+    if size != expected:
+        raise CheckpointError(
+            f"{str(path)!r} is truncated or corrupt: its header needs {expected} bytes, the file has {size}. "
+            "Re-save or re-download the model."
+        )
+
+
+def _hub_config(repo_id: str, flag: str) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(repo_id).to_dict()
+    except (OSError, ValueError) as error:
+        raise CheckpointError(
+            f"{flag} {repo_id!r} is neither a local directory nor a Hugging Face Hub model that could be loaded "
+            f"(offline, or a typo?): {str(error).splitlines()[0]}"
+        ) from error
+
+
+def _inspect_adapter(path: Path, text: str, flag: str) -> ModelSource:
+    from .peft_utils import ADAPTER_RECORD
+
+    adapter_config = read_json(path / ADAPTER_CONFIG, flag)
+    _check_weights(path, ADAPTER_WEIGHT_FILES, flag, text)
+    record = read_json(path / ADAPTER_RECORD, flag) if (path / ADAPTER_RECORD).exists() else None
+    if record is not None:
+        _check_adapter_record(record, path / ADAPTER_RECORD)
+    elif "posswap_positions" in (adapter_config.get("modules_to_save") or []):
+        raise CheckpointError(
+            f"{flag} {text!r} holds trained hf_posswap position modules but no {ADAPTER_RECORD} saying which swap "
+            "they belong to; restore that file (hf_posswap.save_adapter writes it)."
+        )
+    base_name = adapter_config.get("base_model_name_or_path")
+    if not isinstance(base_name, str) or not base_name:
+        raise CheckpointError(
+            f"{str(path / ADAPTER_CONFIG)!r} has no base_model_name_or_path; set it to the base checkpoint's path."
+        )
+    base_path = base_name if Path(base_name).expanduser().exists() or not (path / base_name).exists() else str(
+        path / base_name
+    )
+    try:
+        base = inspect_model_path(base_path, flag=f"{flag} {text!r}: base model")
+    except CheckpointError as error:
+        raise CheckpointError(
+            f"{error} (named by base_model_name_or_path in {str(path / ADAPTER_CONFIG)!r}; edit it if the base moved)"
+        ) from error
+    if base.kind == "adapter":
+        raise CheckpointError(f"{str(path / ADAPTER_CONFIG)!r} names another adapter as its base: {base_name!r}.")
+    return ModelSource(text, "adapter", base.config, base, record, adapter_config)
+
+
+def _check_adapter_record(record: dict[str, Any], path: Path) -> None:
+    scheme, extension = record.get("scheme"), record.get("extension")
+    scheme_ok = scheme is None or (isinstance(scheme, dict) and isinstance(scheme.get("scheme"), str))
+    if not scheme_ok or not (extension is None or isinstance(extension, dict)) or "scheme" not in record:
+        raise CheckpointError(
+            f"{str(path)!r} is malformed: expected {{'scheme': null or {{'scheme': name, ...}}, 'extension': null or "
+            f"{{...}}}}, got {record!r}. Restore the file written with the adapter."
+        )
+
+
+def load_model(source: ModelSource, task: str = "saved", merge: bool = False) -> nn.Module:
+    """Load what :func:`inspect_model_path` found. ``task``: ``"causal"`` (a causal LM head) or ``"saved"`` (the
+    saved architecture). An adapter is loaded onto its swapped base; ``merge`` folds it into the weights."""
+    if source.kind == "adapter" and source.base is not None:
+        base = load_model(source.base, _adapter_task(source, task))
+        model = _attach_adapter(base, source)
+        return _merge(model, source) if merge else model
+    import hf_posswap  # noqa: F401  (registers hf_posswap checkpoints with the Auto classes)
+
+    auto = _auto_class(source, task)
+    try:
+        return auto.from_pretrained(source.path)
+    except PosSwapError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError) as error:
+        message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"Could not load the model in {source.path!r}: {message}") from error
+
+
+def _adapter_task(source: ModelSource, task: str) -> str:
+    return "causal" if task == "causal" or source.adapter_config.get("task_type") == "CAUSAL_LM" else "saved"
+
+
+def _auto_class(source: ModelSource, task: str) -> type:
+    """AutoModelForCausalLM for ``causal``; else the Auto class whose model is the saved architecture."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from .autoload import AUTO_CLASSES
+
+    if task == "causal":
+        return AutoModelForCausalLM
+    config_class = CONFIG_MAPPING[source.config["model_type"]]
+    architecture = (source.config.get("architectures") or [""])[0].removeprefix("PosSwap")
+    for auto in AUTO_CLASSES:
+        try:
+            model_class = auto._model_mapping[config_class]
+        except KeyError:
+            continue
+        if model_class.__name__.removeprefix("PosSwap") == architecture:
+            return auto
+    return AUTO_CLASSES[0]
+
+
+def _attach_adapter(base: nn.Module, source: ModelSource) -> nn.Module:
+    """Swap ``base`` as the adapter's record says, then :func:`hf_posswap.load_adapter` (which checks it)."""
+    from .extend import replay_extension
+    from .peft_utils import load_adapter
+    from .schemes.base import scheme_config_from_dict
+    from .swap import swap, swap_state, unswap
+
+    record = source.record
+    if record is not None:
+        state = swap_state(base)
+        current = (state.config.to_dict(), state.extension) if state is not None else (None, None)
+        wanted = (record.get("scheme"), record.get("extension"))
+        if json.loads(json.dumps(current)) != wanted:
+            if wanted[0] is None:
+                unswap(base)
+            else:
+                swap(base, scheme_config_from_dict(wanted[0]), replace=state is not None)
+                if wanted[1]:
+                    replay_extension(base, wanted[1])
+    try:
+        return load_adapter(base, source.path)
+    except PosSwapError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError) as error:
+        raise CheckpointError(f"Could not load the adapter in {source.path!r}: {error}") from error
+
+
+def _merge(model: nn.Module, source: ModelSource) -> nn.Module:
+    try:
+        return model.merge_and_unload()
+    except (ValueError, RuntimeError, AttributeError) as error:
+        raise CheckpointError(f"Could not merge the adapter in {source.path!r} into its base: {error}") from error
+
+
+def load_tokenizer(source: ModelSource, required: bool = False):
+    """The tokenizer saved with the model (an adapter's own, else its base's); ``None`` when there is none and
+    ``required`` is false."""
+    from transformers import AutoTokenizer
+
+    candidates = [source] + ([source.base] if source.base is not None else [])
+    for candidate in candidates:
+        if candidate.kind != "hub" and not any((Path(candidate.path) / n).exists() for n in TOKENIZER_FILES):
+            continue
+        try:
+            return AutoTokenizer.from_pretrained(candidate.path)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            if candidate.kind == "hub" and not required:
+                return None
+            raise CheckpointError(f"Could not load the tokenizer in {candidate.path!r}: {error}") from error
+    if required:
+        raise CheckpointError(
+            f"{source.path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); copy the tokenizer of the "
+            "model it came from into it (tokenizer.save_pretrained(dir))."
+        )
+    return None
+
+
+def read_text_files(paths: list[str], flag: str = "--text") -> str:
+    """The UTF-8 text of ``paths`` joined by blank lines; a missing, unreadable, binary or empty file is refused
+    with its name."""
+    parts = []
+    for name in paths:
+        path = Path(name)
+        if path.is_dir():
+            raise CheckpointError(f"{flag} {name!r} is a directory; pass text files.")
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise CheckpointError(f"{flag} {name!r}: cannot read it ({error.strerror or error}).") from error
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise CheckpointError(
+                f"{flag} {name!r} is not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}); "
+                "convert it (iconv -t UTF-8) or pass a text file."
+            ) from error
+        if "\x00" in text:
+            raise CheckpointError(f"{flag} {name!r} holds NUL bytes: a binary file, not text; pass a text file.")
+        if not text.strip():
+            raise CheckpointError(f"{flag} {name!r} is empty; pass a file with text in it.")
+        parts.append(text)
+    return "\n\n".join(parts)

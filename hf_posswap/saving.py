@@ -1,0 +1,131 @@
+"""Writes that never lose what was there: a checkpoint is written into a staging directory beside its target and
+moved into place only once complete; a failure (a full disk, a crash) leaves the old contents untouched.
+
+Files that are not part of a checkpoint (a user's notes, data) are never deleted. A non-empty target is refused
+unless the caller asks to overwrite, and then only checkpoint files are replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from .errors import PosSwapError
+
+#: weight files and indexes: stale ones are removed on overwrite (an old index next to new weights misleads loading)
+WEIGHT_PATTERNS = (
+    "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
+    "pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json",
+    "adapter_model.safetensors", "adapter_model.bin",
+)
+#: every file name a checkpoint written by hf_posswap may consist of (the only names an overwrite replaces)
+CHECKPOINT_PATTERNS = WEIGHT_PATTERNS + (
+    "config.json", "generation_config.json", "modeling_posswap.py", "adapter_config.json", "posswap_adapter.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.txt",
+    "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja", "chat_template.json",
+)
+
+
+class OutputError(PosSwapError, ValueError):
+    """An output path that cannot be written as asked (a file where a directory goes, a missing parent, ...)."""
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether ``name`` is one of the files a checkpoint consists of."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in CHECKPOINT_PATTERNS)
+
+
+def check_output_dir(path: str | os.PathLike[str], overwrite: bool = False, flag: str = "--output") -> Path:
+    """Validate a directory to write a checkpoint to, before any work: not a file, an existing writable parent,
+    and empty or absent unless ``overwrite``."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise OutputError(f"{flag} {str(path)!r} is an existing file, not a directory; choose a directory path.")
+    parent = target.resolve().parent
+    if not parent.is_dir():
+        raise OutputError(
+            f"{flag} {str(path)!r}: the parent directory {str(parent)!r} does not exist; create it first "
+            f"(mkdir -p {parent})."
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"{flag} {str(path)!r}: the directory {str(parent)!r} is not writable; choose another.")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise OutputError(
+            f"{flag} {str(path)!r} is not empty. Choose a new or empty directory, or pass overwrite "
+            "(--overwrite) to replace the checkpoint files in it (other files are left alone)."
+        )
+    if target.is_dir() and not os.access(target, os.W_OK | os.X_OK):
+        raise OutputError(f"{flag} {str(path)!r} is not writable; choose another directory.")
+    return target
+
+
+def check_output_file(path: str | os.PathLike[str], flag: str = "--output") -> Path:
+    """Validate a file to write (JSON results, a picture), before any work."""
+    target = Path(path)
+    if target.is_dir():
+        raise OutputError(f"{flag} {str(path)!r} is a directory; give a file name (e.g. {target / 'results.json'}).")
+    parent = target.resolve().parent
+    if not parent.is_dir():
+        raise OutputError(
+            f"{flag} {str(path)!r}: the directory {str(parent)!r} does not exist; create it first (mkdir -p {parent})."
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"{flag} {str(path)!r}: the directory {str(parent)!r} is not writable; choose another.")
+    return target
+
+
+@contextlib.contextmanager
+def staged_directory(target: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
+    """Yield an empty staging directory beside ``target``; when the block succeeds, publish it into ``target``.
+    When it raises, the staging directory is removed and ``target`` is left exactly as it was."""
+    check_output_dir(target, overwrite, flag="output")
+    target = Path(target).resolve()  # a symlinked target: write into the directory it points to
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=target.parent))
+    try:
+        yield staging
+        publish(staging, target)
+    except OSError as error:
+        raise OutputError(f"Could not write {str(target)!r}: {error}. Nothing was changed there.") from error
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish(staging: Path, target: Path) -> None:
+    """Move the complete ``staging`` directory into ``target``. An absent or empty target is replaced in one
+    rename; otherwise each staged file replaces its namesake (``config.json`` last), stale weight files are
+    removed, and every other file in ``target`` stays."""
+    if not target.exists() or (target.is_dir() and not any(target.iterdir())):
+        os.replace(staging, target)
+        return
+    names = sorted((p.name for p in staging.iterdir()), key=lambda name: name == "config.json")
+    blocked = [name for name in names if (target / name).is_dir() and not (target / name).is_symlink()]
+    if blocked:  # checked before anything moves
+        raise OutputError(f"Cannot overwrite {str(target)!r}: {blocked} exist there as directories. Choose a new or "
+                          "empty directory.")
+    for name in names:
+        os.replace(staging / name, target / name)
+    for stale in target.iterdir():
+        if stale.name not in names and stale.is_file() and any(
+            fnmatch.fnmatchcase(stale.name, pattern) for pattern in WEIGHT_PATTERNS
+        ):
+            stale.unlink()
+
+
+def write_file_atomic(path: str | os.PathLike[str], data: str | bytes) -> Path:
+    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``."""
+    path = Path(path)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.resolve().parent)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    return path
