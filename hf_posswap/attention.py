@@ -119,6 +119,9 @@ def scheme_inputs(
         causal,
         query.dtype,
         None if attention_mask is None else id(attention_mask),
+        # reentrant gradient checkpointing runs the forward under no_grad, then recomputes it with grad enabled
+        # in backward (same context): a mask memoised without grad must not stand in for the recomputed one
+        torch.is_grad_enabled(),
     )
     merged = context.memo.get(memo_key)
     if merged is None:

@@ -1,10 +1,19 @@
-"""The per-forward position context and the forward pre-hook that provides it.
+"""The per-forward position context, and the wrapper of the base model's ``forward`` that provides it.
 
-The hook sits on the base model (``GPT2Model``, ``BertModel``, ``LlamaModel``). Before each forward it reads the
-query offset from the KV cache, applies the family's input fix-ups, adds absolute vectors for families without
-a table slot, and passes a :class:`PositionContext` down to the attention function as a keyword argument
-(transformers forwards unknown kwargs from the base model to every attention call). The position module is
-looked up on the base model by attribute at call time, so peft's ``modules_to_save`` copies are the ones used.
+The wrapper (:class:`PositionForward`) replaces ``forward`` on the base model instance (``GPT2Model``,
+``BertModel``, ``LlamaModel``). Before each forward it reads the query offset from the KV cache, applies the
+family's input fix-ups, adds absolute vectors for families without a table slot, and passes a
+:class:`PositionContext` down to the attention function as a keyword argument (transformers forwards unknown
+kwargs from the base model to every attention call). The position module is looked up on the base model by
+attribute at call time, so peft's ``modules_to_save`` copies are the ones used.
+
+Why a ``forward`` wrapper and not a forward pre-hook: a pre-hook runs only through ``module(...)``. Clients such
+as sentence-transformers call ``model.forward(**features)`` directly, which skips every hook and would silently
+run the model without its positions. Every path into the base model — ``model(...)``, ``model.forward(...)``,
+``model.base_model.forward(...)``, the head model's ``self.model(...)``, ``generate()``, peft wrappers — ends in
+``base.forward``, so the context is built there. The wrapper is a plain picklable object that holds the base
+model, so ``copy.deepcopy`` rebinds it to the copy, and it calls the class's own ``forward`` unless another
+library (accelerate's hooks) had already wrapped ``forward`` at swap time.
 """
 
 from __future__ import annotations
@@ -80,7 +89,7 @@ def _cache_length(cache: Any) -> int:
 
 
 class PositionHook:
-    """Forward pre-hook (``with_kwargs=True``) installed on the base model by ``swap``."""
+    """Prepares the base model's forward kwargs for a swapped scheme (called by :class:`PositionForward`)."""
 
     def __init__(
         self,
@@ -101,7 +110,7 @@ class PositionHook:
     def __call__(self, base: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
         kwargs = dict(kwargs)
         if args:  # move positional arguments to keywords so they can be read and replaced
-            names = list(inspect.signature(base.forward).parameters)
+            names = list(inspect.signature(type(base).forward).parameters)[1:]  # without `self`
             kwargs.update(zip(names, args, strict=False))
         query_offset = _cache_length(kwargs.get("past_key_values"))
         self.adapter.prepare_inputs(base, kwargs, query_offset)
@@ -132,3 +141,32 @@ class PositionHook:
         if position_ids is None:
             position_ids = default_position_ids(embeds.shape[0], embeds.shape[1], query_offset, embeds.device)
         kwargs["inputs_embeds"] = embeds + positions(position_ids).to(embeds.dtype)
+
+
+class PositionForward:
+    """Stands in for ``base.forward`` on one model instance: prepares the kwargs with ``hook``, then runs the
+    forward that was there before (the class's own ``forward``, or another library's wrapper of it).
+
+    ``inspect.signature`` sees the wrapped forward's signature (through ``__wrapped__``), so clients that choose
+    their keyword arguments from it (sentence-transformers, ``Trainer``) keep working.
+    """
+
+    def __init__(self, base: nn.Module, hook: PositionHook, previous: Callable[..., Any] | None) -> None:
+        self.base = base
+        self.hook = hook
+        #: the instance-level forward another library had installed (None: the class's own forward)
+        self.previous = previous
+        #: False once the swap is undone while another wrapper still holds this one (it then passes through)
+        self.active = True
+        self.__doc__ = type(base).forward.__doc__
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return self.previous if self.previous is not None else type(self.base).forward.__get__(self.base)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.active:
+            args, kwargs = self.hook(self.base, args, kwargs)
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.base).forward(self.base, *args, **kwargs)

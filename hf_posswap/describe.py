@@ -99,9 +99,8 @@ def _cache_note(method: str, native: bool) -> str:
     """What happens with the KV cache for a length-dependent method (tested in tests/test_extend.py)."""
     if method == "self_extend":
         return (
-            "grouped attention switches on once the length exceeds the original one. Tokens already in the KV cache "
-            "kept the hidden states computed before the switch, so once a generation crosses the original length "
-            "its cached states differ from a full recompute (which groups every token)."
+            "grouped attention is decided per query: queries past the original length use grouped distances, "
+            "earlier ones attend as before. Generation with the KV cache equals a full recompute."
         )
     if native:
         return (

@@ -1,7 +1,7 @@
 """Reversible edits to a model, applied as one transaction.
 
-A swap is a list of edits (replace a module, set a config value, switch the attention implementation, add a
-forward pre-hook). Either all of them apply or none does: on failure the applied ones are reverted in reverse
+A swap is a list of edits (replace a module, set a config value, switch the attention implementation, wrap
+the base model's forward). Either all of them apply or none does: on failure the applied ones are reverted in reverse
 order, so a failed swap leaves the model as it was. ``unswap`` reverts them all.
 """
 
@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 _MISSING = object()
 
@@ -88,20 +87,37 @@ class SetAttentionImplementation(Edit):
             self.model.set_attn_implementation(self._old)
 
 
-class AddForwardPreHook(Edit):
-    """``module.register_forward_pre_hook(hook, with_kwargs=True)``, removed on revert."""
+class WrapForward(Edit):
+    """Replace ``module.forward`` on the instance by ``make(previous)``, where ``previous`` is the instance-level
+    forward another library installed (or ``None``: the class's own). On revert, the previous forward comes back;
+    if something wrapped ours in the meantime (accelerate's hooks), ours is switched to pass-through instead, so
+    the outer wrapper keeps working."""
 
-    def __init__(self, module: nn.Module, hook: Callable[..., Any], where: str) -> None:
-        self.module, self.hook, self.where = module, hook, where
-        self._handle: RemovableHandle | None = None
+    def __init__(self, module: nn.Module, make: Callable[[Callable[..., Any] | None], Any], where: str) -> None:
+        self.module, self._make, self.where = module, make, where
+        self._wrapper: Any = None
+        self._previous: Any = _MISSING
+
+    @property
+    def wrapper(self) -> Any:
+        return self._wrapper
 
     def apply(self) -> None:
-        self._handle = self.module.register_forward_pre_hook(self.hook, with_kwargs=True)
+        self._previous = self.module.__dict__.get("forward", _MISSING)
+        self._wrapper = self._make(None if self._previous is _MISSING else self._previous)
+        self.module.forward = self._wrapper
 
     def revert(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        if self._wrapper is None:
+            return
+        if self.module.__dict__.get("forward") is self._wrapper:
+            if self._previous is _MISSING:
+                del self.module.forward
+            else:
+                self.module.forward = self._previous
+        else:
+            self._wrapper.active = False
+        self._wrapper = None
 
 
 def apply_all(edits: Sequence[Edit]) -> None:

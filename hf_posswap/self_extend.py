@@ -4,7 +4,9 @@ arXiv:2401.01325, Algorithm 1).
 Two logits per (query, key): with the exact positions ("neighbour" attention) and with grouped positions
 floor(pos / G), the query's shifted by W - floor(W / G) so grouped distances continue where the window ends.
 Keys closer than W to the query take the neighbour logit, the others the grouped one. Runs only when the current
-length exceeds the original one; shorter inputs take the ordinary path and are unchanged.
+length exceeds the original one; shorter inputs take the ordinary path and are unchanged. In causal models only
+queries past the original length use grouped distances (see :func:`self_extend_attention`), which keeps cached
+decoding equal to a full recompute.
 """
 
 from __future__ import annotations
@@ -30,10 +32,19 @@ def self_extend_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grouped + neighbour attention for q [B, H, q, D], unrotated k, v [B, Hkv, kv, D]; returns (out, weights)."""
-    group, window, _ = context.self_extend  # type: ignore[misc]
+    """Grouped + neighbour attention for q [B, H, q, D], unrotated k, v [B, Hkv, kv, D]; returns (out, weights).
+
+    Positions may be shared ([q], [kv]) or per row ([B, q], explicit ``position_ids``). In a causal model the
+    grouping is decided per query: a query at position p < original length attends exactly as the unextended
+    model does (all its keys are within the trained distances), later queries use grouped distances past the
+    window. A query's result then depends only on its own position, so a cached decode equals a full recompute.
+    A bidirectional model groups every pair farther apart than the window once the input exceeds the original.
+    """
+    group, window, original = context.self_extend  # type: ignore[misc]
     rotary = context.positions
     query_pos, key_pos = context.query_key_positions(query.shape[2], key.shape[2], query.device)
+    query_rows = query_pos if query_pos.dim() == 2 else query_pos[None]  # [1 or B, q]
+    key_rows = key_pos if key_pos.dim() == 2 else key_pos[None]  # [1 or B, kv]
     groups = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # [B, Hkv, kv, D] -> [B, H, kv, D]
     if scaling is None:
@@ -46,11 +57,17 @@ def self_extend_attention(
 
     neighbour = logits(query_pos, key_pos)
     grouped = logits(query_pos // group + (window - window // group), key_pos // group)
-    distance = query_pos[:, None] - key_pos[None, :]  # [q, kv]
-    scores = torch.where(distance < window, neighbour, grouped)
+    distance = (query_rows[:, :, None] - key_rows[:, None, :])[:, None]  # [1 or B, 1, q, kv]
+    causal = bool(getattr(module, "is_causal", True))
+    if causal:
+        use_grouped = (distance >= window) & (query_rows >= original)[:, None, :, None]
+    else:
+        use_grouped = distance.abs() >= window
+    scores = torch.where(use_grouped, grouped, neighbour)
     lowest = torch.finfo(scores.dtype).min
     if attention_mask is None:
-        scores = scores.masked_fill(distance < 0, lowest)  # causal
+        if causal:
+            scores = scores.masked_fill(distance < 0, lowest)
     elif attention_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attention_mask[..., : scores.shape[-1]], lowest)
     else:

@@ -15,13 +15,13 @@ from torch import nn
 
 from .attention import CARRIERS
 from .autoload import posswap_config_class
-from .context import POSITIONS_ATTR, PositionHook
+from .context import POSITIONS_ATTR, PositionForward, PositionHook
 from .edits import (
-    AddForwardPreHook,
     Edit,
     SetAttentionImplementation,
     SetAttribute,
     SetConfigClass,
+    WrapForward,
     apply_all,
     revert_all,
 )
@@ -182,7 +182,13 @@ def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: 
         layer_shared=config.layer_shared,
         self_extend=_self_extend_settings(config),
     )
-    edits.append(AddForwardPreHook(base, hook, where=f"forward pre-hook on {type(base).__name__}"))
+    edits.append(
+        WrapForward(
+            base,
+            lambda previous: PositionForward(base, hook, previous),
+            where=f"{type(base).__name__}.forward wrapped (position context for every call path)",
+        )
+    )
     edits.append(record_edit)
     edits.append(_config_class_edit(model.config))
     return edits, False

@@ -20,7 +20,7 @@ def fingerprint(model: torch.nn.Module) -> tuple:
         {name: tensor.clone() for name, tensor in model.state_dict().items()},
         model.config.to_json_string(),
         model.config._attn_implementation,
-        len(model.base_model._forward_pre_hooks),
+        "forward" in vars(model.base_model),
         hasattr(model, "_posswap_state"),
     )
 
@@ -151,10 +151,10 @@ def test_scheme_of_the_wrong_type(llama: torch.nn.Module) -> None:
 def test_a_failure_mid_swap_rolls_everything_back(llama: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     before = fingerprint(llama)
 
-    def fail(self: edits.AddForwardPreHook) -> None:
+    def fail(self: edits.WrapForward) -> None:
         raise RuntimeError("simulated failure")
 
-    monkeypatch.setattr(edits.AddForwardPreHook, "apply", fail)
+    monkeypatch.setattr(edits.WrapForward, "apply", fail)
     with pytest.raises(RuntimeError, match="simulated failure"):
         ps.swap(llama, "alibi")
     assert_untouched(llama, before)
