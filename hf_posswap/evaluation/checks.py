@@ -81,6 +81,8 @@ def is_causal_lm(model: nn.Module) -> bool:
     inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     config = getattr(inner, "config", None)
     model_type = getattr(config, "posswap_base_model_type", None) or getattr(config, "model_type", None)
+    if not model_type:
+        return True  # not a transformers model: nothing says it is an encoder, trust the caller
     if model_type in FAMILY_REGISTRY:
         return FAMILY_REGISTRY.get(model_type).is_causal(config)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
