@@ -20,7 +20,7 @@ class UsageError(PosSwapError, ValueError):
     """A malformed command line (unknown option, a value of the wrong type)."""
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse that raises :class:`UsageError` (printed as one line) instead of printing a usage block."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -30,7 +30,7 @@ class _Parser(argparse.ArgumentParser):
 def _schemes(argv: list[str]) -> int:
     from .matrix import support_matrix_markdown
 
-    _Parser(prog="hf-posswap schemes", description="Print the family x scheme matrix.").parse_args(argv)
+    OneLineParser(prog="hf-posswap schemes", description="Print the family x scheme matrix.").parse_args(argv)
     print(support_matrix_markdown())
     return 0
 
@@ -94,7 +94,7 @@ def _save(model, tokenizer, output: str, overwrite: bool) -> None:
 
 
 def _export(argv: list[str]) -> int:
-    parser = _Parser(
+    parser = OneLineParser(
         prog="hf-posswap export",
         description="Write a trust_remote_code copy of an hf_posswap checkpoint that loads without hf_posswap.",
     )
@@ -121,7 +121,7 @@ def _export(argv: list[str]) -> int:
 
 
 def _eval(argv: list[str]) -> int:
-    parser = _Parser(prog="hf-posswap eval", description="Perplexity against length and passkey.")
+    parser = OneLineParser(prog="hf-posswap eval", description="Perplexity against length and passkey.")
     parser.add_argument("--model", required=True, help="checkpoint or LoRA adapter directory (causal LMs only)")
     parser.add_argument("--lengths", nargs="*", type=int, default=[], help="context lengths for perplexity")
     parser.add_argument("--mode", nargs="+", default=["windows"], choices=["windows", "sliding", "tail"])
@@ -166,7 +166,7 @@ def _eval(argv: list[str]) -> int:
 
 
 def _swap_command(argv: list[str]) -> int:
-    parser = _Parser(prog="hf-posswap swap", description="Swap a checkpoint's positions and save it.")
+    parser = OneLineParser(prog="hf-posswap swap", description="Swap a checkpoint's positions and save it.")
     parser.add_argument("--model", required=True, help="checkpoint directory (a LoRA adapter is merged first)")
     parser.add_argument("--scheme", required=True, help="scheme name (see `hf-posswap schemes`)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=JSON", help="a scheme option")
@@ -189,7 +189,7 @@ def _swap_command(argv: list[str]) -> int:
 
 
 def _extend_command(argv: list[str]) -> int:
-    parser = _Parser(prog="hf-posswap extend", description="Extend a checkpoint's context and save.")
+    parser = OneLineParser(prog="hf-posswap extend", description="Extend a checkpoint's context and save.")
     parser.add_argument("--model", required=True, help="checkpoint directory (a LoRA adapter is merged first)")
     parser.add_argument("--to", type=int, required=True, help="new context length in tokens")
     parser.add_argument("--method", help="yarn, dynamic, linear, ntk, longrope, llama3, self_extend, interpolate, ...")
@@ -217,7 +217,7 @@ def _extend_command(argv: list[str]) -> int:
 
 
 def _inspect(argv: list[str]) -> int:
-    parser = _Parser(prog="hf-posswap inspect", description="Pictures of a model's position scheme.")
+    parser = OneLineParser(prog="hf-posswap inspect", description="Pictures of a model's position scheme.")
     parser.add_argument("--model", required=True, help="checkpoint directory (or LoRA adapter directory)")
     parser.add_argument("--scheme", help="swap to this scheme first (default: what the checkpoint carries)")
     parser.add_argument("--length", type=int, default=256, help="positions to draw")
@@ -225,7 +225,7 @@ def _inspect(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from .evaluation.checks import check_lengths_fit
     from .evaluation.plots import position_pictures
-    from .saving import check_output_file
+    from .saving import check_output_dir
     from .swap import swap, swap_state
 
     if args.length < 2:
@@ -234,7 +234,7 @@ def _inspect(argv: list[str]) -> int:
         _check_scheme(args.scheme, {})
     if Path(args.output).exists() and not Path(args.output).is_dir():
         raise InvalidConfigError(f"--output {args.output!r} is a file; give a directory for the PNG files.")
-    check_output_file(Path(args.output) / "picture.png")  # the parent must exist and be writable
+    check_output_dir(args.output, overwrite=True)  # the pictures replace only their own files
     model, _, _ = _load(args.model)
     if args.scheme:
         swap(model, args.scheme, replace=swap_state(model) is not None)
@@ -246,7 +246,7 @@ def _inspect(argv: list[str]) -> int:
 
 
 def _plot(argv: list[str]) -> int:
-    parser = _Parser(prog="hf-posswap plot", description="Plot `hf-posswap eval` results.")
+    parser = OneLineParser(prog="hf-posswap plot", description="Plot `hf-posswap eval` results.")
     parser.add_argument("runs", nargs="+", help="results.json files, optionally labelled: label=results.json")
     parser.add_argument("--mode", default="windows", choices=["windows", "sliding", "tail"])
     parser.add_argument("--trained-length", type=int, help="draw a line at the trained length")

@@ -128,7 +128,10 @@ def extension_demo(model, tokenizer, lengths: tuple[int, ...], output: Path) -> 
     output.mkdir(parents=True, exist_ok=True)
     plot = plot_perplexity(runs, output / "perplexity_vs_length.png", trained_length=TRAINED_LENGTH, mode="mixed",
                            title="SmolLM2-135M, trained at 8,192 (past it: tail NLL)")
-    model.save_pretrained(output / "smollm2-yarn-32k")
+    from .saving import staged_directory
+
+    with staged_directory(output / "smollm2-yarn-32k", overwrite=True) as staging:  # the demo's own directory
+        model.save_pretrained(staging)
     probe = token_ids[None, :64]
     reloaded = AutoModelForCausalLM.from_pretrained(output / "smollm2-yarn-32k").eval()
     with torch.no_grad():
@@ -146,8 +149,33 @@ def extension_demo(model, tokenizer, lengths: tuple[int, ...], output: Path) -> 
     return [{"label": k, **r} for k, v in runs.items() for r in v["perplexity"]]
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Every demo setting, checked before the checkpoint is loaded."""
+    from .errors import InvalidConfigError
+    from .schemes.base import SCHEME_REGISTRY
+
+    for scheme in args.schemes:
+        SCHEME_REGISTRY.get(scheme)
+    if args.length < 2:
+        raise InvalidConfigError(f"--length {args.length}: perplexity needs at least 2 tokens.")
+    bad = [n for n in args.extension_lengths if n < 2]
+    if bad:
+        raise InvalidConfigError(f"--extension-lengths {bad[0]}: window lengths must be at least 2 tokens.")
+    if args.checkpoint is not None:
+        from .loading import inspect_model_path
+
+        source = inspect_model_path(args.checkpoint, flag="--checkpoint")
+        if source.kind == "adapter" or not source.is_causal():
+            raise InvalidConfigError(f"--checkpoint {args.checkpoint!r}: the demo needs a LLaMA-like causal "
+                                     "checkpoint directory (not an adapter or an encoder).")
+    if Path(args.output).exists() and not Path(args.output).is_dir():
+        raise InvalidConfigError(f"--output {args.output!r} is a file; give a directory for the plot and the model.")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hf-posswap demo", description=__doc__.splitlines()[0])
+    from .cli import OneLineParser
+
+    parser = OneLineParser(prog="hf-posswap demo", description=__doc__.splitlines()[0])
     parser.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES), help="schemes to try in turn")
     parser.add_argument("--length", type=int, default=512, help="tokens of text for the perplexity column")
     parser.add_argument("--checkpoint", default=None, help="a LLaMA-like checkpoint directory instead of SmolLM2")
@@ -155,5 +183,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="window lengths for the context-extension part (none: skip it)")
     parser.add_argument("--output", default="outputs/demo", help="where the plot and the extended model go")
     args = parser.parse_args(argv)
+    _check_args(args)
     run(tuple(args.schemes), args.length, args.checkpoint, tuple(args.extension_lengths), Path(args.output))
     return 0

@@ -16,7 +16,7 @@ from torch import nn
 from ..errors import InvalidConfigError
 from .perplexity import MODES
 
-_POSITION_TABLE = re.compile(r"(^|\.)(wpe|position_embeddings|posswap_positions)(\.|$)")
+_POSITION_TABLE = re.compile(r"(^|\.)(wpe|position_embeddings)$")
 
 
 def _is_int(value: Any) -> bool:
@@ -100,12 +100,16 @@ def check_causal(model: nn.Module) -> None:
 
 
 def learned_table_size(model: nn.Module) -> tuple[str, int] | None:
-    """(name, rows) of the smallest learned absolute position table, or ``None`` when the model has none."""
-    tables = [
-        (name, module.num_embeddings)
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Embedding) and _POSITION_TABLE.search(name)
-    ]
+    """(name, rows) of the smallest learned absolute position table (a native ``wpe`` / ``position_embeddings``
+    embedding, or a swapped-in learned table), or ``None`` when the model has none."""
+    from ..schemes.learned import LearnedPositions
+
+    tables = []
+    for name, module in model.named_modules():
+        if isinstance(module, LearnedPositions):
+            tables.append((name, int(module.weight.shape[0])))
+        elif isinstance(module, nn.Embedding) and _POSITION_TABLE.search(name):
+            tables.append((name, module.num_embeddings))
     return min(tables, key=lambda item: item[1]) if tables else None
 
 
