@@ -12,7 +12,24 @@ from typing import Any
 
 from torch import nn
 
-_MISSING = object()
+class _Missing:
+    """"No value was there": one instance that survives ``copy.deepcopy`` and pickling (a copied model's edits
+    must still recognise it, or unswap of the copy would set a stray object)."""
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+    def __deepcopy__(self, memo: dict) -> _Missing:
+        return self
+
+    def __copy__(self) -> _Missing:
+        return self
+
+    def __reduce__(self) -> str:
+        return "_MISSING"
+
+
+_MISSING = _Missing()
 
 
 class Edit:
