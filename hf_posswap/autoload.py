@@ -52,8 +52,12 @@ def base_model_type(config: Any) -> str | None:
 
 @functools.cache
 def posswap_config_class(base: type) -> type:
-    """``PosSwap<Base>Config``: the base config class with model_type ``hf_posswap_<type>``."""
-    return type(
+    """``PosSwap<Base>``: the base config class with model_type ``hf_posswap_<type>``.
+
+    The class is also a module-level name of ``hf_posswap.autoload`` (see :func:`__getattr__`), so configs and
+    whole models pickle (``pickle.dumps(model.config)``, ``torch.save(model)``) and unpickle in a new process.
+    """
+    cls = type(
         f"PosSwap{base.__name__}",
         (base,),
         {
@@ -63,6 +67,7 @@ def posswap_config_class(base: type) -> type:
             "__module__": __name__,
         },
     )
+    return _publish(cls)
 
 
 @functools.cache
@@ -70,8 +75,16 @@ def posswap_model_class(base: type) -> type:
     """``PosSwap<Base>``: builds the base architecture, then replays the swap recorded in ``config.posswap``."""
 
     def __init__(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
-        base.__init__(self, config, *args, **kwargs)
         record = getattr(config, "posswap", None)
+        if getattr(type(config), "posswap_base_model_type", None) and not record:
+            raise InvalidConfigError(
+                f"This config has model_type '{config.model_type}' (a model swapped by hf_posswap) but no "
+                f"'posswap' record (got {record!r}), so the swap cannot be rebuilt and the saved position weights "
+                "would be dropped. Restore the 'posswap' entry of config.json from the original save, or re-save "
+                "the swapped model with save_pretrained."
+            )
+        _build_at_original_length(config, record)
+        base.__init__(self, config, *args, **kwargs)
         if record:
             from .restore import restore_swap
 
@@ -79,9 +92,13 @@ def posswap_model_class(base: type) -> type:
 
     @classmethod  # type: ignore[misc]
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-        """``from_pretrained`` whose size-mismatch error says that the weights do not match the recorded swap."""
+        """``from_pretrained`` that refuses position weights that are missing or left over, and makes the native
+        modules the swap replaced real again (so ``unswap`` and ``swap(replace=True)`` work on the loaded model)."""
+        from .restore import after_load
+
+        wants_info = bool(kwargs.pop("output_loading_info", False))
         try:
-            return super(new_class, cls).from_pretrained(*args, **kwargs)
+            model, info = super(new_class, cls).from_pretrained(*args, output_loading_info=True, **kwargs)
         except RuntimeError as error:
             if "mismatched_sizes" not in str(error):
                 raise
@@ -90,6 +107,8 @@ def posswap_model_class(base: type) -> type:
                 "report above for the keys): the config or the weight files were changed after saving. Re-save "
                 "the model, or pass ignore_mismatched_sizes=True to re-initialise those weights."
             ) from error
+        after_load(model, info, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+        return (model, info) if wants_info else model
 
     new_class = type(
         f"PosSwap{base.__name__}",
@@ -101,7 +120,36 @@ def posswap_model_class(base: type) -> type:
             "__module__": __name__,
         },
     )
-    return new_class
+    return _publish(new_class)
+
+
+def _build_at_original_length(config: Any, record: Any) -> None:
+    """An extended model saves its longer ``max_position_embeddings``; the native modules the swap replaces must be
+    built at the trained length (as the model was before extending), so ``unswap`` returns that model. The
+    replayed extension then sets the longer length again."""
+    extension = record.get("extension") if isinstance(record, dict) else None
+    original = extension.get("original_max_position_embeddings") if isinstance(extension, dict) else None
+    if isinstance(original, int) and not isinstance(original, bool) and original >= 1:
+        config.max_position_embeddings = original
+
+
+def _publish(cls: type) -> type:
+    """Make ``cls`` reachable as ``hf_posswap.autoload.<name>`` (what pickle looks up)."""
+    globals().setdefault(cls.__name__, cls)  # a clash of names (never among the built-in families) stays unpicklable
+    return cls
+
+
+def __getattr__(name: str) -> type:
+    """Unpickling looks classes up here: importing the package registers every supported family's classes."""
+    if name.startswith("PosSwap"):
+        import hf_posswap  # noqa: F401  (registers the families' classes; a no-op when already imported)
+
+        if name in globals():
+            return globals()[name]
+    raise AttributeError(
+        f"module {__name__!r} has no attribute {name!r}. Classes of families registered at run time must be "
+        "registered again (hf_posswap.register_family) before unpickling."
+    )
 
 
 def register_auto_classes(model_types: list[str]) -> None:

@@ -8,6 +8,8 @@ from typing import Any
 from torch import nn
 
 from .families.base import FAMILY_REGISTRY
+from .peft_utils import unwrap_peft
+from .restore import check_loaded
 from .swap import swap_state
 
 
@@ -55,7 +57,13 @@ class PositionDescription:
 
 
 def describe(model: nn.Module) -> PositionDescription:
-    """Describe the position mechanism of ``model`` (swapped or not)."""
+    """Describe the position mechanism of ``model`` (swapped or not; peft wrappers are looked through).
+
+    Raises InvalidConfigError for a model loaded as the plain architecture from a swapped checkpoint
+    (``hf_posswap.restore.check_loaded``): calling it "native" would be wrong.
+    """
+    model = unwrap_peft(model)
+    check_loaded(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "posswap_base_model_type", None) or getattr(config, "model_type", None)
     adapter = FAMILY_REGISTRY.get(model_type) if model_type in FAMILY_REGISTRY else None

@@ -13,6 +13,8 @@ Extending twice composes from the *original* length: the factor is always new le
 from __future__ import annotations
 
 import dataclasses
+import math
+import warnings
 from typing import Any
 
 import torch
@@ -22,11 +24,15 @@ from .context import POSITIONS_ATTR
 from .edits import Edit, SetAttribute, apply_all
 from .errors import InvalidConfigError, InvalidOptionError
 from .families.base import FamilyAdapter, get_family
+from .peft_utils import unwrap_peft
+from .restore import NativeWeightsMissingWarning, check_loaded, install_native_restorers
 from .schemes.base import SchemeConfig
 from .schemes.learned import LearnedConfig
 from .schemes.rope import RopeConfig
 from .schemes.rope_scaling import SCALING_REGISTRY
 from .swap import CONFIG_RECORD, SwapState, swap, swap_state
+
+PEFT_WRAPPER_ATTR = "modules_to_save"
 
 TABLE_METHODS = ("interpolate", "copy")
 LIFT = "lift"
@@ -48,6 +54,8 @@ def extend_context(model: nn.Module, max_positions: int, method: str | None = No
         **options: the scaling's options (``factor`` defaults to max_positions / original length; ``beta_fast``,
             ``short_factor``, ...).
     """
+    wrapper, model = model, unwrap_peft(model)
+    check_loaded(model)
     adapter = get_family(model)
     state = swap_state(model)
     scheme = _current_scheme(model, adapter, state)
@@ -74,11 +82,22 @@ def extend_context(model: nn.Module, max_positions: int, method: str | None = No
     record = {"method": method, "original_max_position_embeddings": original, "max_position_embeddings": max_positions}
     if isinstance(new_config, RopeConfig) and new_config.scaling is not None:
         record["scaling"] = new_config.scaling.to_dict()
-    swap(model, new_config, replace=state is not None)
+    if new_config is not None:  # lift keeps the installed modules (and their trained weights) as they are
+        _reswap(model, new_config, replace=state is not None)
     if fill_table is not None:
         fill_table()
     _apply_length_edits(model, adapter, method, original, max_positions, record)
-    return model
+    return wrapper
+
+
+def _reswap(model: nn.Module, config: SchemeConfig, replace: bool) -> None:
+    """``swap(model, config, replace=...)`` for a new length. A reloaded model's native modules come back freshly
+    initialised on the way (``hf_posswap.restore``); they are not used here, so their warning waits for the
+    user's own ``unswap``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NativeWeightsMissingWarning)
+        swap(model, config, replace=replace)
+    install_native_restorers(model)
 
 
 # --- what the model carries ---------------------------------------------------------------------------------
@@ -126,9 +145,31 @@ def _rope_plan(
             f"RoPE scaling '{method}' needs a model with RoPE, and this {type(model).__name__} carries "
             f"{carried}. Swap to RoPE first: hf_posswap.swap(model, 'rope', replace=True), then extend."
         )
+    given = dict(options)
     options = {"factor": max_positions / original, "original_max_position_embeddings": original, **options}
-    scaling = SCALING_REGISTRY.get(method).from_options(**options)
+    scaling = SCALING_REGISTRY.get(method).from_options(**options)  # validates the values first
+    _check_consistent(method, original, max_positions, given)
     return dataclasses.replace(scheme, scaling=scaling), None
+
+
+def _check_consistent(method: str, original: int, max_positions: int, options: dict) -> None:
+    """``factor`` and ``original_max_position_embeddings`` are derived from the lengths; given ones must agree,
+    or the saved record would claim a length the scaling was not set up for."""
+    given = options.get("original_max_position_embeddings")
+    if given is not None and given != original:
+        raise InvalidConfigError(
+            f"original_max_position_embeddings={given!r} differs from this model's trained length {original}; "
+            f"'{method}' always scales from the trained length. Leave the option out."
+        )
+    factor = options.get("factor")
+    if isinstance(factor, (int, float)) and not isinstance(factor, bool):
+        expected = max_positions / original
+        if not math.isclose(factor, expected, rel_tol=1e-9):
+            raise InvalidConfigError(
+                f"factor={factor!r} does not match max_positions={max_positions} over the trained length "
+                f"{original} (= {expected:g}). Leave factor out (it is max_positions / {original}), or pass "
+                f"max_positions={round(factor * original)} for factor {factor!r}."
+            )
 
 
 def _table_plan(
@@ -149,6 +190,13 @@ def _table_plan(
         )
     if options:
         raise InvalidOptionError(f"Method '{method}' takes no options, got {sorted(options)}.")
+    table = _learned_table(model, adapter)
+    if hasattr(table, PEFT_WRAPPER_ATTR):
+        raise InvalidConfigError(
+            f"The learned position table ({type(table).__name__}) is trained by a peft adapter "
+            "(modules_to_save); growing it would replace the module peft saves and lose the adapter's copy. "
+            "Extend the model before get_peft_model, or merge first: model = model.merge_and_unload()."
+        )
     state = swap_state(model)
     trained = getattr(state, "original_table", None)
     if trained is None:
@@ -170,7 +218,8 @@ def _learned_table(model: nn.Module, adapter: FamilyAdapter) -> nn.Module:
     return getattr(slot[0], slot[1]) if slot is not None else getattr(base, POSITIONS_ATTR)
 
 
-def _lift_plan(scheme: SchemeConfig | None, method: str, options: dict) -> tuple[SchemeConfig, None]:
+def _lift_plan(scheme: SchemeConfig | None, method: str, options: dict) -> tuple[None, None]:
+    """Nothing to rebuild: the scheme's modules (and trained T5 tables or ALiBi slopes) stay; only lengths change."""
     if isinstance(scheme, (RopeConfig, LearnedConfig)) or scheme is None:
         kind = "RoPE" if isinstance(scheme, RopeConfig) else "a learned table"
         raise InvalidConfigError(
@@ -179,7 +228,7 @@ def _lift_plan(scheme: SchemeConfig | None, method: str, options: dict) -> tuple
         )
     if options:
         raise InvalidOptionError(f"Method 'lift' takes no options, got {sorted(options)}.")
-    return scheme, None
+    return None, None
 
 
 def grow_table(trained: torch.Tensor, max_positions: int, method: str) -> torch.Tensor:

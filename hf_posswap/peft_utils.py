@@ -87,7 +87,10 @@ def load_adapter(base_model: nn.Module, directory: str | os.PathLike[str], **kwa
     return PeftModel.from_pretrained(base_model, directory, **kwargs)
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_peft(model: nn.Module) -> nn.Module:
     """The transformers model inside a peft wrapper (or the model itself)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
+
+
+_unwrap = unwrap_peft

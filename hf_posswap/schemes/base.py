@@ -123,6 +123,26 @@ def require_positive(owner: str, field: str, value: float) -> None:
         raise InvalidConfigError(f"{owner}.{field} must be a positive finite number, got {value!r}.")
 
 
+#: the largest finite float32: frequencies base^(-2i/d) stay finite and non-zero in float32 up to this base
+MAX_FREQUENCY_BASE = float(torch.finfo(torch.float32).max)
+
+
+def require_frequency_base(owner: str, field: str, value: float) -> None:
+    """A base of geometric frequencies base^(-2i/d): above 1 (so frequencies fall from 1 and differ) and at most
+    float32's largest value (so none becomes infinite or zero)."""
+    if 1.0 < value <= MAX_FREQUENCY_BASE:
+        return
+    why = (
+        "a base <= 1 gives frequencies >= 1 that repeat within a few tokens (1 makes them all equal)"
+        if value <= 1.0
+        else "a larger base makes the lowest frequencies underflow to 0 in float32"
+    )
+    raise InvalidConfigError(
+        f"{owner}.{field} must be above 1 and at most {MAX_FREQUENCY_BASE:.3g}, got {value!r}: {why}. "
+        "Typical values are 10000 to 1e6."
+    )
+
+
 def require_int_at_least(owner: str, field: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidConfigError(f"{owner}.{field} must be an integer >= {minimum}, got {value!r}.")

@@ -18,6 +18,7 @@ from .base import (
     SchemeConfig,
     register_scheme,
     require_fraction,
+    require_frequency_base,
     require_positive,
 )
 from .rope_scaling import LongRopeScaling, RopeScaling, scaling_from_dict
@@ -64,6 +65,7 @@ class RotaryEmbedding(RotaryPositions):
         self.head_dim = head_dim
         self.original_length = original_length  # dynamic NTK and LongRoPE switch at this length
         inv_freq, self.attention_scaling = self._init(None, None)
+        check_frequencies(inv_freq, self.rope_parameters)
         self.register_buffer("inv_freq", inv_freq.to(torch.float32))
         self.rotary_dim = 2 * inv_freq.shape[0]
         self._length_cache: tuple[int, torch.device, torch.Tensor, float] | None = None
@@ -103,6 +105,19 @@ class RotaryEmbedding(RotaryPositions):
     def extra_repr(self) -> str:
         return (
             f"rope_type={self.rope_type}, rotary_dim={self.rotary_dim}, attention_scaling={self.attention_scaling:.4g}"
+        )
+
+
+def check_frequencies(inv_freq: torch.Tensor, rope_parameters: dict[str, Any]) -> None:
+    """Refuse frequencies that are not finite and positive (e.g. an NTK base that overflowed): they give NaN."""
+    if inv_freq.is_meta:  # replayed inside from_pretrained: the values were checked when the swap was made
+        return
+    inv_freq = inv_freq.to(torch.float32)
+    if not bool(torch.isfinite(inv_freq).all()) or not bool((inv_freq > 0).all()):
+        raise InvalidConfigError(
+            f"RoPE parameters {rope_parameters} give frequencies from {float(inv_freq.min()):.3g} to "
+            f"{float(inv_freq.max()):.3g}; all must be finite and above 0 in float32. Use a smaller rope_theta or "
+            "scaling factor."
         )
 
 
@@ -148,6 +163,7 @@ class RopeConfig(SchemeConfig):
     def validate(self) -> None:
         if self.rope_theta is not None:
             require_positive("RopeConfig", "rope_theta", self.rope_theta)
+            require_frequency_base("RopeConfig", "rope_theta", self.rope_theta)
         require_fraction("RopeConfig", "partial_rotary_factor", self.partial_rotary_factor)
         if isinstance(self.scaling, dict):
             self.scaling = scaling_from_dict(self.scaling)
@@ -188,6 +204,9 @@ class RopeConfig(SchemeConfig):
             params = self.scaling.rope_parameters(theta, rotary_dim_for(head_dim, self.partial_rotary_factor))
         if self.partial_rotary_factor != 1.0:
             params["partial_rotary_factor"] = self.partial_rotary_factor
+        if params["rope_theta"] != theta:  # static NTK raises the base: it must stay usable too
+            owner = f"RopeConfig (with {type(self.scaling).__name__})"
+            require_frequency_base(owner, "rope_theta", params["rope_theta"])
         return params
 
     def to_dict(self) -> dict[str, Any]:

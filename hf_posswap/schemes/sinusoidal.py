@@ -6,7 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import AbsolutePositions, ModelSpec, SchemeConfig, register_scheme, require_positive
+from .base import (
+    AbsolutePositions,
+    ModelSpec,
+    SchemeConfig,
+    register_scheme,
+    require_frequency_base,
+    require_positive,
+)
 
 
 def sinusoidal_table(position_ids: torch.Tensor, hidden_size: int, base: float) -> torch.Tensor:
@@ -54,6 +61,9 @@ class SinusoidalConfig(SchemeConfig):
 
     def validate(self) -> None:
         require_positive("SinusoidalConfig", "base", self.base)
+        require_frequency_base("SinusoidalConfig", "base", self.base)
 
     def build(self, spec: ModelSpec) -> SinusoidalPositions:
-        return SinusoidalPositions(spec.hidden_size, float(self.base))
+        # vectors come out in the model's dtype: fp16/bf16 embeddings plus float32 vectors would turn the hidden
+        # states float32 and break the model's half-precision layers
+        return SinusoidalPositions(spec.hidden_size, float(self.base)).to(dtype=spec.dtype)

@@ -1,0 +1,322 @@
+"""Issue 9, checkpoints part: items 4 (nothing loads as the wrong model), 12 (reloaded models support every
+operation), 13 (pickling, peft + extend_context, half-precision sinusoidal) and 8 (degenerate RoPE bases,
+inconsistent scaling factors)."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FAMILIES, MAX_POSITIONS, VOCAB, make_model, swapped
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+import hf_posswap as ps
+from hf_posswap.restore import NativeWeightsMissingWarning, check_checkpoint_keys, check_loaded
+from hf_posswap.swap import swap_state
+
+AUTO = {"gpt2": AutoModelForCausalLM, "llama": AutoModelForCausalLM, "bert": AutoModelForMaskedLM}
+INPUT = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+NON_NATIVE = [(f, s) for f in FAMILIES for s in ps.available_schemes() if not (f == "llama" and s == "rope")]
+TABLE_FAMILIES = ("gpt2", "bert")  # families whose native table a swapped checkpoint does not hold
+
+
+def logits(model: torch.nn.Module, input_ids: torch.Tensor = INPUT) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits
+
+
+def _save(path: Path, family: str = "gpt2", scheme: str = "t5") -> Path:
+    swapped(family, scheme).save_pretrained(path)
+    return path
+
+
+def _edit_config(path: Path, edit) -> None:
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _structure(model: torch.nn.Module) -> dict[str, str]:
+    return {name: type(module).__name__ for name, module in model.named_modules()}
+
+
+# --- item 4: never drop, never invent position weights ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("record", [None, {}], ids=["record-removed", "record-emptied"])
+def test_swapped_model_type_without_record_is_refused(tmp_path: Path, record) -> None:
+    path = _save(tmp_path)
+    _edit_config(path, lambda config: config.pop("posswap") if record is None else config.update(posswap=record))
+    with pytest.raises(ps.InvalidConfigError, match=r"model_type 'hf_posswap_gpt2'.*no 'posswap' record \(got "
+                       + (r"None" if record is None else r"\{\}") + r"\).*Restore the 'posswap' entry"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize(("family", "scheme", "key"), [
+    ("gpt2", "t5", "transformer.posswap_positions.tables.0.weight"),
+    ("gpt2", "alibi", "transformer.posswap_positions.slopes"),
+    ("gpt2", "learned", "transformer.wpe.weight"),
+    ("bert", "rope", "bert.posswap_positions.inv_freq"),
+])
+def test_missing_position_weights_are_refused(tmp_path: Path, family: str, scheme: str, key: str) -> None:
+    path = _save(tmp_path, family, scheme)
+    weights = load_file(path / "model.safetensors")
+    assert key in weights
+    del weights[key]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ps.InvalidConfigError, match=rf"lacks the position weights \['{key}'\].*scheme '{scheme}'"):
+        AUTO[family].from_pretrained(path)
+
+
+def test_leftover_position_weights_are_refused(tmp_path: Path) -> None:
+    path = _save(tmp_path, "gpt2", "t5")
+    _edit_config(path, lambda config: config.update(posswap={"version": 1, "family": "gpt2", "scheme": "none"}))
+    with pytest.raises(ps.InvalidConfigError, match=r"holds position weights "
+                       r"\['transformer.posswap_positions.tables.0.weight'\].*scheme 'none'.*would drop them"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_loading_info_is_still_returned_when_asked(tmp_path: Path) -> None:
+    path = _save(tmp_path, "gpt2", "alibi")
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert swap_state(model).config.name == "alibi" and not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_model_type_edited_back_to_the_family_is_detected(tmp_path: Path) -> None:
+    path = _save(tmp_path, "gpt2", "t5")
+    _edit_config(path, lambda config: config.update(model_type="gpt2"))
+    plain = AutoModelForCausalLM.from_pretrained(path)  # plain transformers: nothing hf_posswap can hook into
+    message = (
+        r"carries config.posswap \(scheme 't5'\) but was loaded as plain 'gpt2'.*"
+        r"\"model_type\": \"hf_posswap_gpt2\""
+    )
+    for call in (check_loaded, ps.describe, lambda model: ps.extend_context(model, 128)):
+        with pytest.raises(ps.InvalidConfigError, match=message):
+            call(plain)
+
+
+def test_native_swaps_are_not_mistaken_for_misloaded_ones(tmp_path: Path) -> None:
+    model = make_model("llama")
+    ps.swap(model, "rope", rope_theta=500.0)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    check_loaded(loaded)
+    assert ps.describe(loaded).scheme == "native"
+
+
+def test_checkpoint_keys_check_before_loading(tmp_path: Path) -> None:
+    path = _save(tmp_path, "gpt2", "t5")
+    config = json.loads((path / "config.json").read_text())
+    keys = list(load_file(path / "model.safetensors"))
+    check_checkpoint_keys(config, keys)  # as saved: fine
+    config["model_type"] = "gpt2"
+    with pytest.raises(ps.InvalidConfigError, match=r"holds hf_posswap position weights "
+                       r"\['transformer.posswap_positions.tables.0.weight'\].*model_type 'gpt2'"):
+        check_checkpoint_keys(config, keys, str(path))
+
+
+# --- item 12: a reloaded model supports what an in-memory one does ---------------------------------------------
+
+
+def _meta_tensors(model: torch.nn.Module) -> list[str]:
+    return [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+
+
+@pytest.mark.parametrize(("family", "scheme"), NON_NATIVE, ids=lambda value: str(value))
+def test_reloaded_model_unswaps_to_the_native_structure(tmp_path: Path, family: str, scheme: str) -> None:
+    swapped(family, scheme).save_pretrained(tmp_path)
+    loaded = AUTO[family].from_pretrained(tmp_path).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ps.unswap(loaded)
+    native = make_model(family)
+    assert _structure(loaded) == _structure(native)
+    assert set(loaded.state_dict()) == set(native.state_dict())
+    assert not _meta_tensors(loaded)
+    assert type(loaded.config) is type(native.config) and loaded.config.model_type == family
+    assert torch.isfinite(logits(loaded)).all()
+    fresh = [w for w in caught if issubclass(w.category, NativeWeightsMissingWarning)]
+    if family in TABLE_FAMILIES:  # the learned table was not in the checkpoint: re-created, and said so
+        table = "transformer.wpe" if family == "gpt2" else "bert.embeddings.position_embeddings"
+        assert len(fresh) == 1 and str(fresh[0].message).startswith(f"{table}: the checkpoint")
+    else:  # a rotary module is deterministic: rebuilt exactly, no warning
+        assert not fresh
+        assert torch.equal(loaded.model.rotary_emb.inv_freq, native.model.rotary_emb.inv_freq)
+        assert torch.equal(logits(loaded), logits(native))  # same seed: same weights, same native RoPE
+
+
+@pytest.mark.parametrize(("family", "scheme"), [("gpt2", "alibi"), ("bert", "t5"), ("llama", "learned")])
+def test_reloaded_model_swaps_again_extends_and_saves(tmp_path: Path, family: str, scheme: str) -> None:
+    swapped(family, scheme).save_pretrained(tmp_path / "a")
+    loaded = AUTO[family].from_pretrained(tmp_path / "a").eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NativeWeightsMissingWarning)
+        ps.swap(loaded, "rope", replace=True)
+    ps.extend_context(loaded, 4 * MAX_POSITIONS, "yarn")
+    assert ps.describe(loaded).context["max_position_embeddings"] == 4 * MAX_POSITIONS
+    loaded.save_pretrained(tmp_path / "b")
+    again = AUTO[family].from_pretrained(tmp_path / "b").eval()
+    long_input = torch.randint(3, VOCAB, (1, 3 * MAX_POSITIONS), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(logits(again, long_input), logits(loaded, long_input))
+    assert not _meta_tensors(again)
+
+
+def test_extending_a_reloaded_table_warns_only_when_the_user_unswaps(tmp_path: Path) -> None:
+    swapped("gpt2", "learned").save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NativeWeightsMissingWarning)
+        ps.extend_context(loaded, 2 * MAX_POSITIONS, "interpolate")
+    with pytest.warns(NativeWeightsMissingWarning, match=r"^transformer.wpe: the checkpoint"):
+        ps.unswap(loaded)
+    assert loaded.transformer.wpe.weight.shape == (MAX_POSITIONS, 64)
+
+
+def test_reloaded_extended_bert_unswaps_its_position_buffers(tmp_path: Path) -> None:
+    model = swapped("bert", "alibi")
+    ps.extend_context(model, 200, "lift")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForMaskedLM.from_pretrained(tmp_path)
+    with pytest.warns(NativeWeightsMissingWarning):
+        ps.unswap(loaded)
+    embeddings = loaded.bert.embeddings
+    assert torch.equal(embeddings.position_ids, torch.arange(MAX_POSITIONS)[None])
+    assert torch.equal(embeddings.token_type_ids, torch.zeros(1, MAX_POSITIONS, dtype=torch.long))
+    assert loaded.config.max_position_embeddings == MAX_POSITIONS
+
+
+# --- item 13: pickling, peft + extend_context, half precision ---------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_swapped_config_pickles(family: str) -> None:
+    config = swapped(family, "alibi").config
+    copy = pickle.loads(pickle.dumps(config))
+    assert type(copy) is type(config) and copy.model_type == f"hf_posswap_{family}"
+    assert copy.posswap == config.posswap
+
+
+def test_swapped_config_unpickles_in_a_fresh_process(tmp_path: Path) -> None:
+    (tmp_path / "config.pkl").write_bytes(pickle.dumps(swapped("gpt2", "t5").config))
+    script = textwrap.dedent(f"""
+        import pickle
+        config = pickle.loads(open({str(tmp_path / "config.pkl")!r}, "rb").read())
+        print(type(config).__name__, config.model_type, config.posswap["scheme"])
+        """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "PosSwapGPT2Config hf_posswap_gpt2 t5", result.stderr[-2000:]
+
+
+@pytest.mark.xfail(strict=True, reason="edits keep lambdas (SetAttribute._make): needs a change in edits.py (lead)")
+def test_torch_save_of_a_swapped_model() -> None:
+    model = swapped("gpt2", "alibi")
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert torch.equal(logits(loaded), logits(model))
+
+
+@pytest.mark.parametrize(("family", "scheme", "method"), [
+    ("gpt2", None, "interpolate"), ("llama", None, "yarn"), ("gpt2", "rope", "linear"), ("bert", "alibi", "lift"),
+])
+def test_extend_context_through_peft(family: str, scheme: str | None, method: str) -> None:
+    from peft import get_peft_model
+
+    model = make_model(family) if scheme is None else swapped(family, scheme)
+    wrapped = get_peft_model(model, ps.lora_config(model))
+    assert ps.extend_context(wrapped, 2 * MAX_POSITIONS, method) is wrapped
+    assert ps.describe(wrapped).context["max_position_embeddings"] == 2 * MAX_POSITIONS
+    long_input = torch.randint(3, VOCAB, (1, 2 * MAX_POSITIONS - 4), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.isfinite(wrapped(input_ids=long_input).logits).all()
+
+
+def test_extend_refuses_a_table_that_peft_trains() -> None:
+    from peft import get_peft_model
+
+    model = swapped("gpt2", "learned")
+    wrapped = get_peft_model(model, ps.lora_config(model))  # modules_to_save=["wpe"]
+    with pytest.raises(ps.InvalidConfigError, match=r"trained by a peft adapter \(modules_to_save\).*"
+                       r"merge_and_unload"):
+        ps.extend_context(wrapped, 2 * MAX_POSITIONS, "interpolate")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_sinusoidal_in_half_precision(family: str, dtype: torch.dtype) -> None:
+    reference = logits(swapped(family, "sinusoidal"))
+    model = make_model(family).to(dtype)
+    ps.swap(model, "sinusoidal")
+    out = logits(model)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert torch.allclose(out.float(), reference, atol=0.1)  # the same model, rounded
+
+
+# --- item 8: degenerate RoPE bases, inconsistent scaling factors -------------------------------------------------
+
+
+@pytest.mark.parametrize("theta", [1e-300, 0.5, 1.0, 1e300])
+def test_degenerate_rope_theta_is_refused(theta: float) -> None:
+    model = make_model("gpt2")
+    message = r"rope_theta must be above 1 and at most 3.4e\+38, got " + re.escape(repr(theta))
+    with pytest.raises(ps.InvalidConfigError, match=message):
+        ps.swap(model, "rope", rope_theta=theta)
+    assert swap_state(model) is None
+
+
+def test_degenerate_sinusoidal_base_is_refused() -> None:
+    with pytest.raises(ps.InvalidConfigError, match=r"SinusoidalConfig.base must be above 1.*got 1e-300"):
+        ps.SinusoidalConfig(base=1e-300)
+
+
+def test_ntk_base_that_overflows_is_refused() -> None:
+    model = make_model("gpt2")
+    ps.swap(model, "rope", rope_theta=3e38)
+    with pytest.raises(ps.InvalidConfigError, match=r"RopeConfig \(with NTKScaling\).rope_theta must be above 1"):
+        ps.extend_context(model, 4 * MAX_POSITIONS, "ntk")
+
+
+SCALINGS = {"linear": {}, "ntk": {}, "dynamic": {}, "yarn": {}, "llama3": {}, "self_extend": {},
+            "longrope": {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}
+
+
+@pytest.mark.parametrize("method", sorted(SCALINGS))
+def test_scaling_factor_must_match_the_lengths(method: str) -> None:
+    model = make_model("llama")
+    with pytest.raises(ps.InvalidConfigError, match=r"factor=2.0 does not match max_positions=256 over the "
+                       r"trained length 64 \(= 4\).*pass max_positions=128"):
+        ps.extend_context(model, 256, method, factor=2.0, **SCALINGS[method])
+    ps.extend_context(model, 256, method, factor=4.0, **SCALINGS[method])  # consistent: accepted
+    assert ps.describe(model).context["max_position_embeddings"] == 256
+
+
+def test_original_length_must_match_the_model() -> None:
+    with pytest.raises(ps.InvalidConfigError, match=r"original_max_position_embeddings=32 differs from this "
+                       r"model's trained length 64"):
+        ps.extend_context(swapped("gpt2", "rope"), 256, "yarn", original_max_position_embeddings=32)
+
+
+# --- found in the adversarial pass ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["t5", "alibi"])
+def test_lift_keeps_trained_position_weights(scheme: str) -> None:
+    model = make_model("gpt2")
+    ps.swap(model, "alibi", trainable_slopes=True) if scheme == "alibi" else ps.swap(model, scheme)
+    with torch.no_grad():
+        for parameter in model.transformer.posswap_positions.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    before = logits(model)
+    ps.extend_context(model, 4 * MAX_POSITIONS, "lift")
+    assert torch.equal(logits(model), before)
