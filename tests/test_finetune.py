@@ -252,7 +252,8 @@ def test_cli_finetune(workspace, tmp_path) -> None:
     assert "finished 2 steps" in result.stdout
     saved = json.loads((tmp_path / "final" / "config.json").read_text())
     assert saved["posswap"]["num_buckets"] == 16
-    bad = subprocess.run([*command[:4], "--model", "x", "--data", "/nonexistent.txt", "--output", str(tmp_path)],
+    bad = subprocess.run([*command[:4], "--model", str(workspace / "gpt2"), "--data", "/nonexistent.txt", "--output",
+                          str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1
     assert bad.stderr.strip().splitlines()[-1] == (

@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import InvalidConfigError
+
+#: transformers scheduler names that run from (optimizer, warmup, total steps) alone; the others need a metric or
+#: extra arguments this command does not take.
+LR_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                "inverse_sqrt")
 
 
 @dataclass
@@ -31,7 +37,9 @@ class FinetuneConfig:
             final-hidden-state MSE for encoders), mixed with the plain objective by ``distill_weight``.
         pose_target: PoSE: position ids of the short training sequences span this length.
         eval_fraction, eval_every: held-out share of the packed data and how often to measure it.
-        save_every: checkpoint every N steps (atomic; ``resume`` continues from the latest).
+        save_every: checkpoint every N steps (atomic; ``resume`` continues from the newest valid one).
+        resume: continue the run in ``output``; only ``RESUME_SAFE`` settings may differ from the recorded ones.
+        overwrite_output_dir: replace a previous run in ``output`` (only the files a run writes are removed).
     """
 
     model: str
@@ -68,16 +76,25 @@ class FinetuneConfig:
     eval_every: int = 50
     save_every: int = 100
     resume: bool = False
+    overwrite_output_dir: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "batch_size", "grad_accum", "steps"):
+        for name in ("seq_len", "batch_size", "grad_accum", "steps", "lora_r"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidConfigError(f"FinetuneConfig.{name} must be a positive integer, got {value!r}.")
-        for name in ("eval_every", "save_every", "warmup_steps"):
-            if getattr(self, name) < 0:
-                raise InvalidConfigError(f"FinetuneConfig.{name} must be >= 0, got {getattr(self, name)!r}.")
+        for name in ("eval_every", "save_every", "warmup_steps", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidConfigError(f"FinetuneConfig.{name} must be an integer >= 0, got {value!r}.")
+        self._check_numbers()
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise InvalidConfigError(
+                f"lr_schedule {self.lr_schedule!r} is not supported; choose one of {', '.join(LR_SCHEDULES)}."
+            )
+        if self.resume and self.overwrite_output_dir:
+            raise InvalidConfigError("resume and overwrite_output_dir exclude each other: pick one.")
         if self.objective not in ("auto", "causal", "mlm"):
             raise InvalidConfigError(f"objective must be auto, causal or mlm, got {self.objective!r}.")
         if self.mixed_precision not in ("no", "fp16", "bf16"):
@@ -96,12 +113,49 @@ class FinetuneConfig:
         if isinstance(self.data, str):
             self.data = [self.data]
 
+    def _check_numbers(self) -> None:
+        """Float settings: finite and inside the range where training can work (a zero temperature or masking
+        probability, or an infinite learning rate, gives NaN weights)."""
+        checks = (  # name, lowest, lowest allowed?, highest, highest allowed?, advice
+            ("lr", 0.0, False, 1.0, True, "a learning rate such as 1e-4"),  # AdamW steps move weights by ~lr
+            ("weight_decay", 0.0, True, math.inf, False, "0.0 or a small value such as 0.01"),
+            ("max_grad_norm", 0.0, True, math.inf, False, "1.0, or 0 for no clipping"),
+            ("lora_alpha", 0.0, False, math.inf, False, "e.g. 16"),
+            ("lora_dropout", 0.0, True, 1.0, False, "e.g. 0.05"),
+            ("distill_weight", 0.0, True, 1.0, True, "e.g. 0.5"),
+            ("distill_temperature", 0.0, False, math.inf, False, "e.g. 1.0 or 2.0"),
+            ("mlm_probability", 0.0, False, 1.0, True, "e.g. 0.15"),
+            ("eval_fraction", 0.0, True, 1.0, False, "e.g. 0.05, or 0 for no held-out data"),
+        )
+        for name, low, low_ok, high, high_ok, advice in checks:
+            value = getattr(self, name)
+            number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+            inside = math.isfinite(number) and (number >= low if low_ok else number > low)
+            inside = inside and (number <= high if high_ok else number < high)
+            if not inside:
+                interval = f"{'[' if low_ok else '('}{low:g}, {high:g}{']' if high_ok else ')'}"
+                raise InvalidConfigError(f"{name} must be a finite number in {interval}, got {value!r}; use {advice}.")
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
 
+#: settings that may differ when a run is resumed: how long to train and how often to measure and save.
+#: Changing ``steps`` recomputes a decaying learning-rate schedule for the new total from the resumed step on.
+RESUME_SAFE = ("steps", "eval_every", "save_every")
+#: run-control flags that are not settings of the run
+RUN_CONTROL = ("resume", "overwrite_output_dir")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line on one stderr line (no usage block) and exits with 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
 def build_parser(prog: str = "hf-posswap finetune") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Fine-tune a model with swapped positions (accelerate).")
+    parser = _OneLineParser(prog=prog, description="Fine-tune a model with swapped positions (accelerate).")
     parser.add_argument("--model", required=True, help="checkpoint directory")
     parser.add_argument("--data", nargs="+", required=True, help="text/jsonl files (globs) or datasets directories")
     parser.add_argument("--output", required=True, help="run directory")
@@ -119,14 +173,15 @@ def build_parser(prog: str = "hf-posswap finetune") -> argparse.ArgumentParser:
                                 ("mlm-probability", float, 0.15), ("eval-fraction", float, 0.05),
                                 ("eval-every", int, 50), ("save-every", int, 100), ("seed", int, 0)):
         parser.add_argument(f"--{name}", type=kind, default=default)
-    parser.add_argument("--lr-schedule", default="cosine", help="a transformers scheduler name (cosine, linear, ...)")
+    parser.add_argument("--lr-schedule", default="cosine", help=f"one of {', '.join(LR_SCHEDULES)}")
     parser.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="no")
     parser.add_argument("--text-field", default="text", help="jsonl / datasets field holding the text")
     for flag, text in (("gradient-checkpointing", "recompute activations in backward"),
                        ("lora", "train LoRA adapters (peft) plus the position modules"),
                        ("merge-lora", "also save the merged full model"),
                        ("distill", "distil from the unswapped original"),
-                       ("resume", "continue from the latest checkpoint in --output")):
+                       ("resume", "continue from the newest valid checkpoint in --output"),
+                       ("overwrite-output-dir", "replace a previous run in --output (removes only run files)")):
         parser.add_argument(f"--{flag}", action="store_true", help=text)
     return parser
 

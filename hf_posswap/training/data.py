@@ -28,23 +28,54 @@ def expand_paths(patterns: Sequence[str]) -> list[Path]:
 
 def read_documents(paths: Iterable[Path], text_field: str = "text") -> list[str]:
     """Documents from .txt files (one per file), .jsonl files (``text_field`` of each line), or a ``datasets``
-    dataset directory saved with ``save_to_disk``."""
+    dataset directory saved with ``save_to_disk``. Unreadable, binary or malformed files raise
+    :class:`InvalidConfigError` naming the file (and the line, for jsonl)."""
     documents: list[str] = []
     for path in paths:
         if path.is_dir():
             documents.extend(_dataset_documents(path, text_field))
         elif path.suffix == ".jsonl":
-            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                if text_field not in record:
-                    raise InvalidConfigError(f"{path}:{number} has no '{text_field}' field; pass --text-field.")
-                documents.append(str(record[text_field]))
+            documents.extend(_jsonl_documents(path, text_field))
         else:
-            documents.append(path.read_text(encoding="utf-8"))
-    if not documents:
-        raise InvalidConfigError("The training data holds no documents.")
+            documents.append(_read_text(path))
+    if not any(document.strip() for document in documents):
+        raise InvalidConfigError("The training data holds no text; pass non-empty text/jsonl files.")
+    return documents
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise InvalidConfigError(
+            f"Data file {path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
+            "pass UTF-8 .txt or .jsonl files."
+        ) from None
+    except OSError as error:
+        raise InvalidConfigError(f"Data file {path} cannot be read ({error.strerror or error}); check the path and "
+                                 "its permissions.") from None
+
+
+def _jsonl_documents(path: Path, text_field: str) -> list[str]:
+    documents = []
+    for number, line in enumerate(_read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise InvalidConfigError(
+                f"{path}:{number} is not valid JSON ({error.msg} at column {error.colno}); each line must be one "
+                f"JSON object with a '{text_field}' field."
+            ) from None
+        if not isinstance(record, dict) or text_field not in record:
+            raise InvalidConfigError(f"{path}:{number} has no '{text_field}' field; pass --text-field.")
+        if not isinstance(record[text_field], str):
+            raise InvalidConfigError(
+                f"{path}:{number}: field '{text_field}' holds {type(record[text_field]).__name__}, not text; pass "
+                "--text-field naming a string field."
+            )
+        documents.append(record[text_field])
     return documents
 
 
@@ -55,9 +86,20 @@ def _dataset_documents(path: Path, text_field: str) -> list[str]:
         raise InvalidConfigError(
             f"{path} is a directory; reading a `datasets` dataset needs `pip install datasets`."
         ) from error
-    dataset = load_from_disk(str(path))
+    try:
+        dataset = load_from_disk(str(path))
+    except (FileNotFoundError, ValueError, OSError) as error:
+        raise InvalidConfigError(
+            f"{path} is a directory but not a `datasets` dataset saved with save_to_disk ({type(error).__name__}); "
+            f"pass its text files instead (e.g. '{path}/*.txt')."
+        ) from None
     if hasattr(dataset, "keys"):  # a DatasetDict: take the train split, else the first one
         dataset = dataset["train"] if "train" in dataset else dataset[next(iter(dataset.keys()))]
+    if text_field not in dataset.column_names:
+        raise InvalidConfigError(
+            f"The dataset in {path} has no '{text_field}' column (it has {', '.join(dataset.column_names)}); "
+            "pass --text-field."
+        )
     return [str(text) for text in dataset[text_field]]
 
 

@@ -5,19 +5,40 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from ..errors import InvalidConfigError
 from .config import FinetuneConfig
 from .data import expand_paths, pack, read_documents, train_eval_split
+from .guards import (
+    OutputLock,
+    all_finite,
+    check_model_path,
+    check_output,
+    check_sequence_length,
+    diverged,
+    previous_run_files,
+    remove_previous_run,
+    resolve_objective,
+)
 from .losses import distillation_kl, hidden_state_matching, pose_position_ids
-from .state import latest_checkpoint, publish_checkpoint, read_trainer_state, staging_dir
-
-LOSS_LOG = "loss_log.jsonl"
+from .resume import CONFIG_FILE, LOSS_LOG, check_changes, check_steps, record_settings, truncate_loss_log
+from .state import (
+    CHECKPOINTS,
+    CheckpointError,
+    checkpoints_newest_first,
+    has_checkpoint_dirs,
+    latest_checkpoint,
+    publish_checkpoint,
+    staging_dir,
+)
 
 
 class EpochShuffle(Sampler[int]):
@@ -38,12 +59,18 @@ class EpochShuffle(Sampler[int]):
 
 
 def finetune(config: FinetuneConfig) -> dict[str, Any]:
-    """Run ``config``; returns the final train / eval losses and where the result was written."""
+    """Run ``config``; returns the final train / eval losses and where the result was written.
+
+    Every check that needs no model runs first (data files, ``--model`` path, objective, ``--output``); then the
+    output directory is locked for the run. Errors are :class:`~hf_posswap.errors.PosSwapError` subclasses."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
-    from transformers import get_scheduler
 
     _fresh_accelerate_state()
+    documents = read_documents(expand_paths(config.data), config.text_field)  # bad data fails before any loading
+    check_model_path(config.model)
+    objective = resolve_objective(config)
+    check_output(config)
     # cpu=True on machines without CUDA makes torchrun-launched processes (`accelerate launch --multi_gpu`,
     # `torchrun`) train data-parallel over gloo instead of each running alone.
     accelerator = Accelerator(
@@ -52,15 +79,37 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         cpu=not torch.cuda.is_available(),
     )
     set_seed(config.seed)
-    output = Path(config.output)
+    output = Path(config.output).expanduser()
+    lock = _own_output(output, accelerator, config)
+    try:
+        return _run(config, accelerator, output, documents, objective)
+    finally:
+        lock.release()
+
+
+def _own_output(output: Path, accelerator, config: FinetuneConfig) -> OutputLock:
+    """Create and lock ``output`` (main process), checking again under the lock; all processes wait for it."""
+    lock = OutputLock(output)
     if accelerator.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
-        (output / "finetune_config.json").write_text(config.to_json(), encoding="utf-8")
+        lock.acquire()
+        try:
+            check_output(config)  # again, under the lock: another run may have finished in between
+        except BaseException:
+            lock.release()
+            raise
+    accelerator.wait_for_everyone()
+    return lock
 
-    documents = read_documents(expand_paths(config.data), config.text_field)  # bad paths fail before any loading
-    model, tokenizer, objective = _load_model(config)
+
+def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str], objective: str) -> dict[str, Any]:
+    from transformers import get_scheduler
+
+    resume = _plan_resume(config, output) if config.resume else None
+    model, tokenizer = _load_model(config, objective)
     teacher = _teacher(model, accelerator) if config.distill else None
     _prepare_positions(model, config)
+    check_sequence_length(model, config)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config.lora:
@@ -84,48 +133,17 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
 
-    position = {"step": 0, "epoch": 0, "batches_in_epoch": 0}
-    if config.resume and (checkpoint := latest_checkpoint(output)) is not None:
-        accelerator.load_state(str(checkpoint))
-        position = read_trainer_state(checkpoint)
-        accelerator.print(f"Resumed from {checkpoint} at step {position['step']}.")
-    pose_generator = torch.Generator().manual_seed(config.seed + 7919 * position["step"])
-
-    progress = _progress(config.steps, position["step"], accelerator)
-    last_loss, eval_loss = float("nan"), None
-    while position["step"] < config.steps:
-        train_loader.set_epoch(position["epoch"])
-        batches = accelerator.skip_first_batches(train_loader, position["batches_in_epoch"])
-        for batch in batches:
-            position["batches_in_epoch"] += 1
-            with accelerator.accumulate(model):
-                loss = _loss(model, teacher, batch, objective, config, pose_generator)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and config.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(trainable, config.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            if not accelerator.sync_gradients:
-                continue
-            position["step"] += 1
-            last_loss = accelerator.gather(loss.detach()[None]).mean().item()
-            record: dict[str, Any] = {"step": position["step"], "loss": last_loss, "lr": scheduler.get_last_lr()[0]}
-            if eval_loader is not None and config.eval_every and position["step"] % config.eval_every == 0:
-                eval_loss = record["eval_loss"] = _evaluate(model, eval_loader, objective, accelerator)
-            _log(output, record, accelerator)
-            progress.update(1)
-            progress.set_postfix(loss=f"{last_loss:.4f}", **({"eval": f"{eval_loss:.4f}"} if eval_loss else {}))
-            if (config.save_every and position["step"] % config.save_every == 0) or position["step"] == config.steps:
-                _save_checkpoint(accelerator, output, position)
-            if position["step"] >= config.steps:
-                break
-        else:
-            position["epoch"] += 1
-            position["batches_in_epoch"] = 0
-    progress.close()
+    position, checkpoint = {"step": 0, "epoch": 0, "batches_in_epoch": 0}, None
+    if resume is not None:
+        checkpoint, position = _load_checkpoint(accelerator, resume, config)
+    _start_record(config, accelerator, output, position["step"], resume)
+    parts = {"model": model, "teacher": teacher, "optimizer": optimizer, "scheduler": scheduler,
+             "train_loader": train_loader, "eval_loader": eval_loader, "trainable": trainable}
+    last_loss, eval_loss = _train(config, accelerator, output, objective, parts, position, checkpoint)
     if eval_loader is not None:
         eval_loss = _evaluate(model, eval_loader, objective, accelerator)
+    if not all_finite(trainable):
+        raise diverged(position["step"], "final weights' value", math.nan, config, _last_saved(output))
     result_dir = _save_result(accelerator, model, tokenizer, output, config)
     checksum = float(sum(p.detach().double().sum() for p in trainable))  # equal in every process after DDP
     return {
@@ -135,6 +153,71 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         "steps": position["step"],
         "parameter_checksum": checksum,
     }
+
+
+def _train(config, accelerator, output: Path, objective: str, parts: dict[str, Any], position: dict[str, int],
+           checkpoint: Path | None) -> tuple[float, float | None]:
+    """The optimisation loop from ``position`` to ``config.steps``; stops before applying or saving a non-finite
+    state."""
+    progress = _progress(config.steps, position["step"], accelerator)
+    try:
+        return _steps(config, accelerator, output, objective, parts, position, checkpoint, progress)
+    finally:
+        progress.close()  # also before an error, so that its message starts on a line of its own
+
+
+def _steps(config, accelerator, output: Path, objective: str, parts: dict[str, Any], position: dict[str, int],
+           checkpoint: Path | None, progress) -> tuple[float, float | None]:
+    model, optimizer, scheduler = parts["model"], parts["optimizer"], parts["scheduler"]
+    train_loader, eval_loader, trainable = parts["train_loader"], parts["eval_loader"], parts["trainable"]
+    pose_generator = torch.Generator().manual_seed(config.seed + 7919 * position["step"])
+    last_loss, eval_loss = float("nan"), None
+    while position["step"] < config.steps:
+        train_loader.set_epoch(position["epoch"])
+        batches = accelerator.skip_first_batches(train_loader, position["batches_in_epoch"])
+        for batch in batches:
+            position["batches_in_epoch"] += 1
+            with accelerator.accumulate(model):
+                loss = _loss(model, parts["teacher"], batch, objective, config, pose_generator)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    _check_gradients(accelerator, trainable, config, position["step"] + 1, checkpoint)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            if not accelerator.sync_gradients:
+                continue
+            position["step"] += 1
+            last_loss = accelerator.gather(loss.detach()[None]).mean().item()
+            if not math.isfinite(last_loss):
+                raise diverged(position["step"], "training loss", last_loss, config, checkpoint)
+            record: dict[str, Any] = {"step": position["step"], "loss": last_loss, "lr": scheduler.get_last_lr()[0]}
+            if eval_loader is not None and config.eval_every and position["step"] % config.eval_every == 0:
+                eval_loss = record["eval_loss"] = _evaluate(model, eval_loader, objective, accelerator)
+            _log(output, record, accelerator)
+            progress.update(1)
+            progress.set_postfix(loss=f"{last_loss:.4f}", **({"eval": f"{eval_loss:.4f}"} if eval_loss else {}))
+            if (config.save_every and position["step"] % config.save_every == 0) or position["step"] == config.steps:
+                if not all_finite(trainable):
+                    raise diverged(position["step"], "weights' value", math.nan, config, checkpoint)
+                checkpoint = _save_checkpoint(accelerator, output, position)
+            if position["step"] >= config.steps:
+                break
+        else:
+            position["epoch"] += 1
+            position["batches_in_epoch"] = 0
+    return last_loss, eval_loss
+
+
+def _check_gradients(accelerator, trainable, config: FinetuneConfig, step: int, checkpoint: Path | None) -> None:
+    """Clip (when asked) and stop on a non-finite gradient norm before the optimizer applies it. With fp16 the
+    gradient scaler skips such steps itself, so only the loss and the weights are checked there."""
+    norm = accelerator.clip_grad_norm_(trainable, config.max_grad_norm if config.max_grad_norm > 0 else math.inf)
+    if config.mixed_precision == "fp16" or norm is None:
+        return
+    value = float(norm)
+    if not math.isfinite(value):
+        raise diverged(step, "gradient norm", value, config, checkpoint)
 
 
 # --- pieces ---------------------------------------------------------------------------------------------------
@@ -149,22 +232,23 @@ def _fresh_accelerate_state() -> None:
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _load_model(config: FinetuneConfig):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+def _load_model(config: FinetuneConfig, objective: str):
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
     import hf_posswap  # noqa: F401  (registers hf_posswap checkpoints with the Auto classes)
 
-    model_config = AutoConfig.from_pretrained(config.model)
-    objective = config.objective
-    if objective == "auto":
-        base_type = getattr(model_config, "posswap_base_model_type", model_config.model_type)
-        objective = "mlm" if base_type == "bert" and not getattr(model_config, "is_decoder", False) else "causal"
     auto = AutoModelForCausalLM if objective == "causal" else AutoModelForMaskedLM
-    model = auto.from_pretrained(config.model, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(config.model)
+    try:
+        model = auto.from_pretrained(config.model, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(config.model)
+    except (OSError, ValueError, RuntimeError) as error:  # a truncated or foreign checkpoint: one line naming it
+        raise InvalidConfigError(
+            f"--model {config.model!r} cannot be loaded ({type(error).__name__}: {' '.join(str(error).split())[:300]});"
+            " pass a complete checkpoint directory."
+        ) from error
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer, objective
+    return model, tokenizer
 
 
 def _teacher(model: torch.nn.Module, accelerator) -> torch.nn.Module:
@@ -188,13 +272,24 @@ def _collator(tokenizer, objective: str, config: FinetuneConfig):
         from transformers import DataCollatorForLanguageModeling
 
         masker = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=config.mlm_probability)
-        return lambda examples: masker([{"input_ids": e["input_ids"]} for e in examples])
+        return lambda examples: _at_least_one_mask(masker([{"input_ids": e["input_ids"]} for e in examples]),
+                                                   tokenizer)
 
     def causal(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         input_ids = torch.stack([e["input_ids"] for e in examples])  # [B, seq_len]
         return {"input_ids": input_ids, "labels": input_ids.clone()}
 
     return causal
+
+
+def _at_least_one_mask(batch: dict[str, torch.Tensor], tokenizer) -> dict[str, torch.Tensor]:
+    """A masked-LM batch with no masked token has a 0/0 (NaN) loss: mask its first token then."""
+    labels = batch["labels"]  # [B, seq_len], -100 where not masked
+    if bool((labels != -100).any()):
+        return batch
+    labels[0, 0] = batch["input_ids"][0, 0]
+    batch["input_ids"][0, 0] = tokenizer.mask_token_id
+    return batch
 
 
 def _loss(model, teacher, batch: dict[str, torch.Tensor], objective: str, config: FinetuneConfig, generator):
@@ -241,7 +336,7 @@ def _log(output: Path, record: dict[str, Any], accelerator) -> None:
             handle.write(json.dumps(record) + "\n")
 
 
-def _save_checkpoint(accelerator, output: Path, position: dict[str, int]) -> None:
+def _save_checkpoint(accelerator, output: Path, position: dict[str, int]) -> Path:
     staging = staging_dir(output, position["step"])
     if accelerator.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)
@@ -251,6 +346,69 @@ def _save_checkpoint(accelerator, output: Path, position: dict[str, int]) -> Non
     if accelerator.is_main_process:
         publish_checkpoint(output, position["step"], position)
     accelerator.wait_for_everyone()
+    return output / CHECKPOINTS / f"step-{position['step']}"
+
+
+def _plan_resume(config: FinetuneConfig, output: Path) -> dict[str, Any] | None:
+    """What ``--resume`` will do, decided from files alone: the checkpoints to try (newest valid first) and the
+    safe setting changes. ``None``: nothing to resume (a fresh directory), the run starts at step 0."""
+    if not previous_run_files(output):
+        _say(f"--resume: no previous run in {output}; starting at step 0.")
+        return None
+    changes = check_changes(output, config)
+    valid, rejected = checkpoints_newest_first(output)
+    if not valid and has_checkpoint_dirs(output):
+        raise CheckpointError(f"--resume found no usable checkpoint in {output}: {' '.join(rejected)} Start a new run "
+                              "with --overwrite-output-dir.")
+    finished = [name for name in ("final", "adapter") if (output / name).exists()]
+    if not valid and finished:
+        raise CheckpointError(f"--resume: the run in {output} has {finished[0]}/ but no checkpoint to continue from; "
+                              "start a new run with --overwrite-output-dir (or in another --output).")
+    if not valid:
+        _say(f"--resume: the run in {output} stopped before its first checkpoint; starting at step 0.")
+    return {"candidates": valid, "rejected": rejected, "changes": changes}
+
+
+def _load_checkpoint(accelerator, resume: dict[str, Any], config: FinetuneConfig):
+    """Load the newest checkpoint that loads, saying which ones were passed over and why."""
+    passed_over = list(resume["rejected"])
+    for path, state in resume["candidates"]:
+        check_steps(config, state["step"], path)
+        try:
+            accelerator.load_state(str(path))
+        except Exception as error:  # noqa: BLE001  (any failure to load means: try the next older checkpoint)
+            passed_over.append(f"{path} does not load ({type(error).__name__}: {' '.join(str(error).split())[:200]}).")
+            continue
+        if passed_over:
+            _say(f"--resume: passed over {' '.join(passed_over)} Resuming from the older {path}.", accelerator)
+        _say(f"Resumed from {path} at step {state['step']}.", accelerator)
+        return path, dict(state)
+    if passed_over:
+        raise CheckpointError(f"--resume: no checkpoint loads: {' '.join(passed_over)} Start a new run with "
+                              "--overwrite-output-dir.")
+    return None, {"step": 0, "epoch": 0, "batches_in_epoch": 0}
+
+
+def _start_record(config: FinetuneConfig, accelerator, output: Path, step: int, resume: dict[str, Any] | None) -> None:
+    """Right before training: clear a replaced run, cut the loss log back to the resumed step, record settings."""
+    if accelerator.is_main_process:
+        if config.overwrite_output_dir and (removed := remove_previous_run(output)):
+            _say(f"--overwrite-output-dir: removed the previous run's {', '.join(removed)} in {output}.")
+        if config.resume:
+            truncate_loss_log(output, step)
+        changes = resume["changes"] if resume else {}
+        if not (output / CONFIG_FILE).exists() or not config.resume or changes:
+            record_settings(output, config, changes, step)
+    accelerator.wait_for_everyone()
+
+
+def _say(message: str, accelerator=None) -> None:
+    if accelerator is None or accelerator.is_main_process:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _last_saved(output: Path) -> Path | None:
+    return latest_checkpoint(output)
 
 
 def _save_result(accelerator, model, tokenizer, output: Path, config: FinetuneConfig) -> Path:
@@ -259,8 +417,7 @@ def _save_result(accelerator, model, tokenizer, output: Path, config: FinetuneCo
     final = output / ("adapter" if config.lora else "final")
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
-        staging = final.with_name(f".{final.name}.staging")
-        shutil.rmtree(staging, ignore_errors=True)
+        staging = _fresh_staging(final)
         if config.lora:
             from ..peft_utils import save_adapter
 
@@ -268,17 +425,29 @@ def _save_result(accelerator, model, tokenizer, output: Path, config: FinetuneCo
         else:
             unwrapped.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        if final.exists():
-            shutil.rmtree(final)
-        staging.rename(final)
+        _swap_in(staging, final)
         if config.merge_lora:
             merged_dir = output / "merged"
-            staging = output / ".merged.staging"
-            shutil.rmtree(staging, ignore_errors=True)
+            staging = _fresh_staging(merged_dir)
             copy.deepcopy(unwrapped).merge_and_unload().save_pretrained(staging)
             tokenizer.save_pretrained(staging)
-            if merged_dir.exists():
-                shutil.rmtree(merged_dir)
-            staging.rename(merged_dir)
+            _swap_in(staging, merged_dir)
     accelerator.wait_for_everyone()
     return final
+
+
+def _fresh_staging(target: Path) -> Path:
+    staging = target.with_name(f".{target.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    return staging
+
+
+def _swap_in(staging: Path, target: Path) -> None:
+    """Replace the directory ``target`` by ``staging``: the old one is renamed aside first and removed last, so a
+    crash leaves either the old or the new directory complete."""
+    old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(staging, target)
+    shutil.rmtree(old, ignore_errors=True)

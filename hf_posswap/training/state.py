@@ -4,6 +4,8 @@ Each checkpoint is ``<output>/checkpoints/step-N`` holding accelerate's full sta
 RNG of every process) and ``trainer_state.json`` (step, epoch, batches consumed in the epoch). It is written to a
 hidden staging directory and renamed into place, and ``checkpoints/latest`` (a one-line file, also replaced
 atomically) points at it: a crash during a save never leaves a half-written checkpoint where a good one was.
+``--resume`` does not trust the pointer alone: it takes the newest ``step-N`` whose files are complete (see
+:func:`checkpoints_newest_first`), so a deleted pointer or checkpoint falls back to an older one instead of step 0.
 """
 
 from __future__ import annotations
@@ -14,12 +16,22 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ..errors import PosSwapError
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
+#: files accelerate's ``save_state`` writes for one process; a checkpoint without them cannot be resumed
+REQUIRED_FILES = ("optimizer.bin", "scheduler.bin", "random_states_0.pkl")
+MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+class CheckpointError(PosSwapError, ValueError):
+    """A checkpoint of a run that cannot be resumed (missing or corrupt files)."""
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` beside ``path``, then rename it into place."""
     staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     staging.write_text(text, encoding="utf-8")
     os.replace(staging, path)
@@ -38,19 +50,86 @@ def publish_checkpoint(output: Path, step: int, trainer_state: dict[str, Any], k
         shutil.rmtree(final)
     os.replace(staging, final)
     write_text_atomic(output / CHECKPOINTS / LATEST, final.name)
-    finished = sorted((p for p in (output / CHECKPOINTS).glob("step-*")), key=lambda p: int(p.name.split("-")[1]))
+    finished = sorted(_step_dirs(output), key=_step_number)
     for old in finished[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def latest_checkpoint(output: Path) -> Path | None:
+    """The checkpoint ``checkpoints/latest`` names, when it still has its trainer state (else ``None``)."""
     pointer = output / CHECKPOINTS / LATEST
-    if not pointer.exists():
+    if not pointer.is_file():
         return None
     path = output / CHECKPOINTS / pointer.read_text(encoding="utf-8").strip()
     return path if (path / STATE_FILE).exists() else None
 
 
-def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
-    return json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8"))
+def read_trainer_state(checkpoint: Path) -> dict[str, int]:
+    """``trainer_state.json`` of ``checkpoint``, checked; a missing or corrupt file raises :class:`CheckpointError`
+    naming it."""
+    path = checkpoint / STATE_FILE
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing, so {checkpoint.name} cannot be resumed.") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path} is corrupt ({_one_line(error)}); it cannot be resumed.") from None
+    keys = ("step", "epoch", "batches_in_epoch")
+    if not isinstance(state, dict) or not all(_count(state.get(key)) for key in keys):
+        raise CheckpointError(f"{path} is corrupt: it must hold non-negative integers {', '.join(keys)}.")
+    if _step_number(checkpoint) is not None and state["step"] != _step_number(checkpoint):
+        raise CheckpointError(f"{path} says step {state['step']} but sits in {checkpoint.name}; it is corrupt.")
+    return {key: state[key] for key in keys}
+
+
+def checkpoints_newest_first(output: Path) -> tuple[list[tuple[Path, dict[str, int]]], list[str]]:
+    """Every complete ``step-N`` checkpoint with its trainer state, newest first, and one reason per checkpoint
+    that was passed over (missing or corrupt files)."""
+    valid: list[tuple[Path, dict[str, int]]] = []
+    rejected: list[str] = []
+    for path in sorted(_step_dirs(output), key=_step_number, reverse=True):
+        try:
+            state = read_trainer_state(path)
+            _check_files(path)
+        except CheckpointError as error:
+            rejected.append(str(error))
+            continue
+        valid.append((path, state))
+    return valid, rejected
+
+
+def has_checkpoint_dirs(output: Path) -> bool:
+    return bool(_step_dirs(output))
+
+
+def _check_files(checkpoint: Path) -> None:
+    missing = [name for name in REQUIRED_FILES if not _non_empty(checkpoint / name)]
+    if not any(_non_empty(checkpoint / name) for name in MODEL_FILES):
+        missing.append(MODEL_FILES[0])
+    if missing:
+        raise CheckpointError(f"{checkpoint} lacks {', '.join(missing)}; it cannot be resumed.")
+
+
+def _step_dirs(output: Path) -> list[Path]:
+    root = output / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return [path for path in root.glob("step-*") if path.is_dir() and _step_number(path) is not None]
+
+
+def _step_number(path: Path) -> int | None:
+    digits = path.name.removeprefix("step-")
+    return int(digits) if path.name.startswith("step-") and digits.isdigit() else None
+
+
+def _non_empty(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())

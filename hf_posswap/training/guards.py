@@ -1,0 +1,199 @@
+"""Checks a fine-tuning run makes before it loads anything, and while it trains.
+
+Before loading: the ``--model`` path, the objective against the model's config, the ``--output`` directory (not a
+file; not a previous run unless ``resume`` or ``overwrite_output_dir``). While training: the output directory is
+locked (``fcntl.flock``, released by the kernel even when the process dies), and a non-finite loss, gradient or
+weight stops the run before anything of that state is saved.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import InvalidConfigError, PosSwapError
+from .config import FinetuneConfig
+
+#: what a run writes into its output directory (``--overwrite-output-dir`` removes these and nothing else)
+RUN_FILES = ("finetune_config.json", "loss_log.jsonl", "checkpoints", "final", "adapter", "merged",
+             ".final.staging", ".adapter.staging", ".merged.staging", ".final.old", ".adapter.old", ".merged.old")
+LOCK_FILE = ".finetune.lock"
+
+
+class OutputDirError(PosSwapError, ValueError):
+    """An ``--output`` that cannot take this run (a file, a previous run, a directory in use)."""
+
+
+class TrainingDivergedError(PosSwapError, RuntimeError):
+    """The loss, a gradient or a weight became NaN or infinite; the run stopped without saving that state."""
+
+
+# --- before loading ----------------------------------------------------------------------------------------------
+
+
+def check_model_path(model: str) -> None:
+    """``model`` is a complete checkpoint (``hf_posswap.loading.inspect_model_path`` reads its small files: a
+    missing path, a corrupt config or a truncated safetensors file is one line naming it); an adapter directory is
+    refused, since training starts from full weights."""
+    from ..loading import inspect_model_path
+
+    if inspect_model_path(model).kind == "adapter":
+        raise InvalidConfigError(
+            f"--model {model!r} is a LoRA adapter directory, not a full checkpoint; pass its base model (with --lora "
+            "to train a new adapter), or a merged model (finetune --merge-lora writes <output>/merged)."
+        )
+
+
+def resolve_objective(config: FinetuneConfig) -> str:
+    """``causal`` or ``mlm`` from the model's config alone; impossible pairs are refused before loading weights."""
+    from transformers import AutoConfig
+
+    import hf_posswap  # noqa: F401  (registers hf_posswap checkpoints with the Auto classes)
+
+    try:
+        model_config = AutoConfig.from_pretrained(config.model)
+    except Exception as error:  # noqa: BLE001  (any parse failure of a user's file becomes one line)
+        raise InvalidConfigError(
+            f"--model {config.model!r}: its config.json cannot be read ({_one_line(error)}); pass a valid checkpoint."
+        ) from None
+    base_type = getattr(model_config, "posswap_base_model_type", None) or model_config.model_type
+    encoder = base_type == "bert" and not getattr(model_config, "is_decoder", False)
+    objective = config.objective if config.objective != "auto" else ("mlm" if encoder else "causal")
+    if objective == "mlm" and not encoder:
+        raise InvalidConfigError(
+            f"--objective mlm needs a masked-LM encoder, but {config.model!r} is a '{base_type}' decoder; use "
+            "--objective causal (or auto)."
+        )
+    if objective == "causal" and encoder:
+        raise InvalidConfigError(
+            f"--objective causal on {config.model!r}, a bidirectional '{base_type}' encoder, would let every token "
+            "see the token it predicts; use --objective mlm (or auto)."
+        )
+    return objective
+
+
+def check_output(config: FinetuneConfig) -> None:
+    """``--output`` is a directory (or does not exist yet) and holds no previous run unless asked for."""
+    output = Path(config.output).expanduser()
+    if output.exists() and not output.is_dir():
+        raise OutputDirError(f"--output {config.output!r} is a file; pass a directory for the run.")
+    previous = previous_run_files(output)
+    if previous and not (config.resume or config.overwrite_output_dir):
+        raise OutputDirError(
+            f"--output {config.output!r} holds a previous run ({', '.join(previous)}); pass --resume to continue it, "
+            "--overwrite-output-dir to replace it, or another --output."
+        )
+
+
+def previous_run_files(output: Path) -> list[str]:
+    return [name for name in RUN_FILES if (output / name).exists() or (output / name).is_symlink()]
+
+
+# --- owning the output directory ---------------------------------------------------------------------------------
+
+
+class OutputLock:
+    """An exclusive ``flock`` on ``<output>/.finetune.lock`` for the life of a run (the kernel drops it when the
+    process ends, however it ends)."""
+
+    def __init__(self, output: Path) -> None:
+        self.path = output / LOCK_FILE
+        self.handle: Any = None
+
+    def acquire(self) -> OutputLock:
+        import fcntl
+
+        self.handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115  (held open for the whole run)
+        try:
+            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.handle.seek(0)
+            owner = self.handle.read().strip() or "unknown"
+            self.handle.close()
+            self.handle = None
+            raise OutputDirError(
+                f"--output '{self.path.parent}' is in use by another finetune run (pid {owner}); wait for it to "
+                "finish or pass another --output."
+            ) from None
+        self.handle.seek(0)
+        self.handle.truncate()
+        self.handle.write(str(os.getpid()))
+        self.handle.flush()
+        return self
+
+    def release(self) -> None:
+        if self.handle is not None:
+            self.handle.close()  # closing the descriptor releases the lock
+            self.handle = None
+
+
+def remove_previous_run(output: Path) -> list[str]:
+    """Remove what a previous run wrote (``RUN_FILES``) and nothing else; returns the names removed."""
+    removed = previous_run_files(output)
+    for name in removed:
+        path = output / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return removed
+
+
+# --- after loading, while training -------------------------------------------------------------------------------
+
+
+def check_sequence_length(model: torch.nn.Module, config: FinetuneConfig) -> None:
+    """A learned absolute table (native or swapped) has a fixed number of positions; positions past it fail mid-run.
+    Refuse ``seq_len`` (or ``pose_target``) beyond it before any data is prepared."""
+    needed = max(config.seq_len, config.pose_target or 0)
+    table = learned_table_length(model)
+    if table is not None and needed > table:
+        flag = "pose-target" if needed != config.seq_len else "seq-len"
+        raise InvalidConfigError(
+            f"--{flag} {needed} is past the model's learned position table ({table} positions); pass --{flag} "
+            f"{table} or less, or grow the table first (--extend-to {needed}, or --scheme alibi/rope/...)."
+        )
+
+
+def learned_table_length(model: torch.nn.Module) -> int | None:
+    """Positions of the model's learned absolute table, or ``None`` when its positions are not a fixed table."""
+    from ..describe import describe
+    from ..families.base import FAMILY_REGISTRY
+
+    description = describe(model)
+    if description.scheme == "learned":
+        length = description.settings.get("max_positions")
+        return length if isinstance(length, int) else None
+    if description.scheme != "native" or description.family not in FAMILY_REGISTRY:
+        return None
+    adapter = FAMILY_REGISTRY.get(description.family)
+    slot = adapter.absolute_slot(adapter.base_model(model))
+    table = getattr(*slot) if slot is not None else None
+    return table.num_embeddings if isinstance(table, torch.nn.Embedding) else None
+
+
+def all_finite(parameters: list[torch.nn.Parameter]) -> bool:
+    return all(bool(torch.isfinite(p.detach()).all()) for p in parameters)
+
+
+def diverged(step: int, what: str, value: float, config: FinetuneConfig, last_good: Path | None) -> PosSwapError:
+    """The error for a non-finite loss / gradient norm / weight at ``step``."""
+    kept = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint had been written yet"
+    return TrainingDivergedError(
+        f"Training diverged at step {step}: the {what} is {value}; the run stopped and saved nothing of this state "
+        f"({kept}). Lower --lr (now {config.lr:g}) or check the data and settings, then start again with "
+        "--overwrite-output-dir."
+    )
+
+
+def finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
