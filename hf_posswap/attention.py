@@ -76,13 +76,14 @@ def merge_bias_and_mask(
     """
     lowest = torch.finfo(dtype).min
     kv_len = bias.shape[-1]
+    bias = bias.to(dtype)  # a model cast after the swap (float64, say) may hold a bias of another dtype
     if attention_mask is None:
         if causal_allowed is not None:  # in place: the bias is a fresh tensor and no backward reads it
             bias = bias.masked_fill_(~causal_allowed, lowest)
-        return bias.to(dtype)
+        return bias
     attention_mask = attention_mask[..., :kv_len]
     if attention_mask.dtype == torch.bool:
-        return bias.masked_fill(~attention_mask, lowest).to(dtype)
+        return bias.masked_fill(~attention_mask, lowest)
     return (bias + attention_mask).clamp(min=lowest).to(dtype)
 
 

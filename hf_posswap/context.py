@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import IncompatibleAttentionError, InvalidConfigError
 from .families.base import FamilyAdapter, default_position_ids
 
 CONTEXT_KWARG = "posswap_context"
@@ -82,6 +83,20 @@ def _explicit_positions(kwargs: dict[str, Any], query_offset: int) -> torch.Tens
     return position_ids.expand(batch, -1)
 
 
+def _check_position_ids(kwargs: dict[str, Any]) -> None:
+    """position_ids must have one entry per input token: [B or 1, L]."""
+    position_ids = kwargs.get("position_ids")
+    reference = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    if position_ids is None or reference is None or not isinstance(position_ids, torch.Tensor):
+        return
+    length = reference.shape[1]
+    if position_ids.dim() not in (1, 2) or position_ids.shape[-1] != length:
+        raise InvalidConfigError(
+            f"position_ids has shape {tuple(position_ids.shape)} but the input has {length} tokens per row; pass "
+            f"position_ids of shape [batch, {length}] (or [1, {length}]), or leave them out."
+        )
+
+
 def _cache_length(cache: Any) -> int:
     if cache is None or not hasattr(cache, "get_seq_length"):
         return 0
@@ -99,8 +114,11 @@ class PositionHook:
         feeds_attention: bool,
         layer_shared: bool = True,
         self_extend: tuple[int, int, int] | None = None,
+        carriers: dict[str, str] | None = None,
     ) -> None:
         self.adapter = adapter
+        #: user's attention implementation -> the one that reads the context (in-attention schemes need one)
+        self.carriers = dict(carriers or {})
         self.self_extend = self_extend
         self.kind = kind
         self.layer_shared = layer_shared
@@ -112,6 +130,9 @@ class PositionHook:
         if args:  # move positional arguments to keywords so they can be read and replaced
             names = list(inspect.signature(type(base).forward).parameters)[1:]  # without `self`
             kwargs.update(zip(names, args, strict=False))
+        if self.feeds_attention:
+            self._check_attention_implementation(base)
+        _check_position_ids(kwargs)
         query_offset = _cache_length(kwargs.get("past_key_values"))
         self.adapter.prepare_inputs(base, kwargs, query_offset)
         positions = getattr(base, POSITIONS_ATTR, None)
@@ -129,6 +150,19 @@ class PositionHook:
             context.row_positions = _explicit_positions(kwargs, query_offset)
             kwargs[CONTEXT_KWARG] = context
         return (), kwargs
+
+    def _check_attention_implementation(self, base: nn.Module) -> None:
+        """An in-attention scheme would be silently dropped by an attention function that ignores the context."""
+        current = getattr(base.config, "_attn_implementation", None)
+        allowed = sorted(set(self.carriers.values()))
+        if self.carriers and current not in allowed:
+            suggestion = self.carriers.get(current, allowed[-1])
+            raise IncompatibleAttentionError(
+                f"The model's attention implementation was changed to '{current}' after hf_posswap swapped in a "
+                f"scheme that works inside attention (kind '{self.kind}'); '{current}' would silently ignore it. Call "
+                f"model.set_attn_implementation('{suggestion}') (allowed: {', '.join(allowed)}), or "
+                "hf_posswap.unswap(model) to go back to the native positions."
+            )
 
     @staticmethod
     def _add_absolute(base: nn.Module, positions: nn.Module, kwargs: dict[str, Any], query_offset: int) -> None:

@@ -62,6 +62,7 @@ class SetAttribute(Edit):
         self._old = getattr(self.owner, self.attr, _MISSING)
         if self._value is _MISSING:
             self._value = self._make()
+            self._make = None  # built once; dropping the closure keeps the model picklable (torch.save(model))
         setattr(self.owner, self.attr, self._value)
 
     def revert(self) -> None:
@@ -112,7 +113,8 @@ class WrapForward(Edit):
 
     def __init__(self, module: nn.Module, make: Callable[[Callable[..., Any] | None], Any], where: str) -> None:
         self.module, self._make, self.where = module, make, where
-        self._wrapper: Any = None
+        self._wrapper: Any = None  # the installed wrapper while applied
+        self._built: Any = None  # the wrapper object, reused when re-applied after a revert
         self._previous: Any = _MISSING
 
     @property
@@ -121,7 +123,12 @@ class WrapForward(Edit):
 
     def apply(self) -> None:
         self._previous = self.module.__dict__.get("forward", _MISSING)
-        self._wrapper = self._make(None if self._previous is _MISSING else self._previous)
+        previous = None if self._previous is _MISSING else self._previous
+        if self._built is None:
+            self._built = self._make(previous)
+            self._make = None  # built once; dropping the closure keeps the model picklable (torch.save(model))
+        self._built.previous, self._built.active = previous, True
+        self._wrapper = self._built
         self.module.forward = self._wrapper
 
     def revert(self) -> None:

@@ -181,6 +181,7 @@ def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: 
         feeds_attention=in_attention,
         layer_shared=config.layer_shared,
         self_extend=_self_extend_settings(config),
+        carriers=CARRIERS,
     )
     edits.append(
         WrapForward(

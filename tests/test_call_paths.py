@@ -347,3 +347,48 @@ def test_sentence_transformers_on_minilm(tmp_path, scheme: str) -> None:
     extractor = pipeline("feature-extraction", model=model, tokenizer=tokenizer)
     features = torch.tensor(extractor(sentences[0]))[0]  # [tokens, hidden]
     torch.testing.assert_close(features.mean(0), expected[0], atol=1e-5, rtol=1e-4)
+
+
+# ---- found in the adversarial pass ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("family", "scheme"), [("llama", "alibi"), ("gpt2", "t5"), ("bert", "rope")])
+def test_torch_save_of_a_whole_swapped_model_round_trips(tmp_path, family: str, scheme: str) -> None:
+    model = swapped(family, scheme)
+    inputs = padded_inputs()
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert vars(loaded.base_model)["forward"].base is loaded.base_model
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.base_model.forward(**inputs).last_hidden_state,
+                                   model.base_model(**inputs).last_hidden_state)
+    ps.unswap(loaded)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, make_model(family)(**inputs).logits)
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "t5"])
+def test_a_model_cast_to_float64_after_the_swap_runs(scheme: str) -> None:
+    model = swapped("gpt2", scheme)
+    inputs = padded_inputs()
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        model.to(torch.float64)
+        torch.testing.assert_close(model(**inputs).logits.float(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_switching_attention_after_the_swap_is_refused_not_silently_ignored() -> None:
+    model = swapped("llama", "alibi")
+    model.set_attn_implementation("eager")
+    with pytest.raises(ps.IncompatibleAttentionError, match=r"changed to 'eager' after hf_posswap .*"
+                       r"set_attn_implementation\('posswap_eager'\)"):
+        model(input_ids=tokens(1, 8))
+    model.set_attn_implementation("posswap_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=tokens(1, 8)).logits,
+                                   swapped("llama", "alibi", "eager")(input_ids=tokens(1, 8)).logits)
+
+
+def test_position_ids_of_the_wrong_length_are_named() -> None:
+    model = swapped("llama", "alibi")
+    with pytest.raises(ps.InvalidConfigError, match=r"position_ids has shape \(1, 5\) but the input has 12 tokens"):
+        model(input_ids=tokens(2, 12), position_ids=torch.arange(5)[None])
