@@ -136,14 +136,13 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument("--output", help="write the results as JSON here")
     args = parser.parse_args(argv)
     from .evaluation import evaluate
-    from .evaluation.checks import check_settings
+    from .evaluation.checks import check_results_output, check_settings
     from .loading import inspect_model_path, load_model, load_tokenizer, read_text_files
-    from .saving import check_output_file
 
     check_settings(args.lengths, args.mode, args.stride, args.tail_from, args.max_windows, args.passkey_lengths,
                    args.depths, args.trials)
     if args.output:
-        check_output_file(args.output)
+        check_results_output(args.output)
     text = read_text_files(args.text) if args.text else None
     source = inspect_model_path(args.model)
     if not source.is_causal():

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,7 +72,11 @@ def inspect_model_path(value: str | os.PathLike[str], flag: str = "--model") -> 
     path = Path(text).expanduser()
     if not text.strip():
         raise CheckpointError(f"{flag} is empty; give a checkpoint directory.")
-    if not path.exists():
+    try:
+        exists = path.exists()
+    except OSError as error:  # a name too long, a permission on a parent
+        raise CheckpointError(f"{flag} {text!r}: {error.strerror or error}; give a checkpoint directory.") from error
+    if not exists:
         if _HUB_ID.match(text) and not text.startswith((".", "~")):
             return ModelSource(text, "hub", _hub_config(text, flag))
         raise CheckpointError(
@@ -139,6 +145,20 @@ def _check_weights(path: Path, names: tuple[str, ...], flag: str, text: str) -> 
                 check_safetensors(path / shard)
     elif name.endswith(".safetensors"):
         check_safetensors(path / name)
+    else:
+        check_torch_file(path / name)
+
+
+def check_torch_file(path: Path) -> None:
+    """Refuse a ``.bin`` weights file that is neither torch.save's zip format nor a legacy pickle."""
+    try:
+        with open(path, "rb") as stream:
+            head = stream.read(4)
+    except OSError as error:
+        raise CheckpointError(f"Cannot read {str(path)!r}: {error.strerror or error}.") from error
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
+        raise CheckpointError(f"{str(path)!r} is not a PyTorch weights file (empty or corrupt); re-save or "
+                              "re-download the model.")
 
 
 def check_safetensors(path: Path) -> None:
@@ -233,8 +253,11 @@ def load_model(source: ModelSource, task: str = "saved", merge: bool = False) ->
         return auto.from_pretrained(source.path)
     except PosSwapError:
         raise
-    except (OSError, ValueError, RuntimeError, KeyError) as error:
+    except (OSError, ValueError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
         message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        if "mismatch" in message:
+            message = ("its weights do not match its config.json (see the report above); restore the config.json "
+                       "the weights were saved with")
         raise CheckpointError(f"Could not load the model in {source.path!r}: {message}") from error
 
 
@@ -328,6 +351,8 @@ def read_text_files(paths: list[str], flag: str = "--text") -> str:
         path = Path(name)
         if path.is_dir():
             raise CheckpointError(f"{flag} {name!r} is a directory; pass text files.")
+        if path.exists() and not path.is_file():  # /dev/zero, a FIFO: reading could never end
+            raise CheckpointError(f"{flag} {name!r} is not a regular file; pass text files.")
         try:
             data = path.read_bytes()
         except OSError as error:

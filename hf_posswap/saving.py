@@ -56,8 +56,8 @@ def check_output_dir(path: str | os.PathLike[str], overwrite: bool = False, flag
         raise OutputError(f"{flag} {str(path)!r}: the directory {str(parent)!r} is not writable; choose another.")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise OutputError(
-            f"{flag} {str(path)!r} is not empty. Choose a new or empty directory, or pass overwrite "
-            "(--overwrite) to replace the checkpoint files in it (other files are left alone)."
+            f"{flag} {str(path)!r} is not empty. Choose a new or empty directory, or pass --overwrite "
+            "(overwrite=True) to replace the checkpoint files in it (other files are left alone)."
         )
     if target.is_dir() and not os.access(target, os.W_OK | os.X_OK):
         raise OutputError(f"{flag} {str(path)!r} is not writable; choose another directory.")

@@ -57,7 +57,9 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, change in (("bad_config", lambda d: (d / "config.json").write_text("{model_type: llama")),
                          ("odd_type", lambda d: (d / "config.json").write_text('{"model_type": "banana"}')),
                          ("truncated", _truncate),
-                         ("no_weights", lambda d: (d / "model.safetensors").unlink())):
+                         ("no_weights", lambda d: (d / "model.safetensors").unlink()),
+                         ("pickle_junk", _junk_bin),
+                         ("other_config", _other_config)):
         shutil.copytree(root / "llama", root / name)
         change(root / name)
     for name, change in (("bad_record", lambda d: (d / "posswap_adapter.json").write_text("{oops")),
@@ -68,7 +70,19 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "results.json").write_text(json.dumps({"perplexity": [{"length": 8, "mode": "windows",
                                                                    "perplexity": 3.0}], "passkey": []}))
     (root / "corrupt.json").write_text('{"perplexity": [')
+    (root / "strings.json").write_text(json.dumps({"perplexity": [{"length": "x", "mode": "windows",
+                                                                   "perplexity": "abc"}], "passkey": []}))
     return root
+
+
+def _junk_bin(directory: Path) -> None:
+    (directory / "model.safetensors").unlink()
+    (directory / "pytorch_model.bin").write_bytes(b"garbage, not a pickle")
+
+
+def _other_config(directory: Path) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "hidden_size": 32, "head_dim": 8}))
 
 
 def _truncate(directory: Path) -> None:
@@ -92,6 +106,11 @@ BEFORE_LOADING = [
     ("eval-unknown-model-type", E + ["{ws}/odd_type"], "model_type 'banana'"),
     ("eval-truncated-weights", E + ["{ws}/truncated"], "truncated/model.safetensors' is truncated or corrupt"),
     ("eval-no-weights", E + ["{ws}/no_weights"], "'{ws}/no_weights' holds no weights"),
+    ("eval-junk-pytorch-bin", E + ["{ws}/pickle_junk"], "pytorch_model.bin' is not a PyTorch weights file"),
+    ("eval-name-too-long", E + ["{ws}/" + "x" * 300], "File name too long"),
+    ("eval-text-endless-device", E + ["{ws}/llama", "--text", "/dev/zero"], "'/dev/zero' is not a regular file"),
+    ("eval-output-over-a-checkpoint-file", E + ["{ws}/llama", "--output", "{ws}/llama/config.json"],
+     "config.json' exists and is not an hf-posswap results file"),
     ("eval-encoder", E + ["{ws}/bert"], "'{ws}/bert' is a bert encoder"),
     ("eval-corrupt-adapter-record", E + ["{ws}/bad_record"], "bad_record/posswap_adapter.json' is not valid JSON"),
     ("eval-malformed-adapter-record", E + ["{ws}/odd_record"], "odd_record/posswap_adapter.json' is malformed"),
@@ -143,6 +162,7 @@ BEFORE_LOADING = [
     ("plot-corrupt-results", ["plot", "{ws}/corrupt.json", "--output", "{ws}/p.png"],
      "corrupt.json' is not valid JSON"),
     ("plot-not-results", ["plot", "{ws}/swapped/config.json", "--output", "{ws}/p.png"], "not an hf-posswap eval"),
+    ("plot-non-numeric-results", ["plot", "{ws}/strings.json", "--output", "{ws}/p.png"], "not an hf-posswap eval"),
     ("plot-wrong-mode", ["plot", "{ws}/results.json", "--mode", "tail", "--output", "{ws}/p.png"],
      "no perplexity rows of mode 'tail'"),
     ("plot-no-passkey", ["plot", "{ws}/results.json", "--output", "{ws}/p.png", "--passkey-output", "{ws}/k.png"],
@@ -185,6 +205,8 @@ AFTER_LOADING = [  # refused once the model is known, still before any forward p
     ("inspect-length-past-learned-table", ["inspect", "--model", "{ws}/gpt2", "--length", "100", "--output",
                                            "{ws}/pictures"], "Length 100 exceeds"),
     ("extend-shorter", ["extend", "--model", "{ws}/llama", "--to", "16", "--output", "{ws}/short"], "16"),
+    ("eval-config-not-matching-weights", E + ["{ws}/other_config"],
+     "'{ws}/other_config': its weights do not match its config.json"),
 ]
 
 
@@ -297,3 +319,30 @@ def test_eval_of_a_corpus_file_list_works_after_the_checks(ws, tmp_path, capsys)
                            "--passkey-lengths", "120", "--depths", "0.5", "--trials", "1"], ws, capsys)
     assert code == 0, err
     assert "perplexity  length     32  windows" in out and "passkey     length    120" in out
+
+
+def test_ctrl_c_during_a_save_leaves_nothing_half_written(ws, tmp_path, capsys, monkeypatch) -> None:
+    from transformers import PreTrainedModel
+
+    real_save = PreTrainedModel.save_pretrained
+
+    def interrupted(self, directory, *args, **kwargs):
+        real_save(self, directory, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", interrupted)
+    code, out, err = _run(["swap", "--model", "{ws}/llama", "--scheme", "alibi", "--output", str(tmp_path / "o")],
+                          ws, capsys)
+    assert code == 130 and "Traceback" not in out + err and "interrupted" in err
+    assert list(tmp_path.iterdir()) == []  # neither the output nor a staging directory
+
+
+def test_adapter_with_a_base_path_relative_to_the_adapter(ws, tmp_path, capsys) -> None:
+    shutil.copytree(ws / "llama", tmp_path / "base")
+    shutil.copytree(ws / "adapter", tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config,
+                                                                          "base_model_name_or_path": "../base"}))
+    code, out, err = _run(["eval", "--model", str(tmp_path / "adapter"), "--lengths", "32", "--corpus", "pydoc",
+                           "--max-windows", "1"], ws, capsys)
+    assert code == 0, err

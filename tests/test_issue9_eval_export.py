@@ -123,7 +123,7 @@ def test_load_runs_names_the_bad_file(tmp_path, content, message) -> None:
 
 def test_export_refuses_a_non_empty_directory(tmp_path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(OutputError, match=r"is not empty\. Choose a new or empty directory, or pass overwrite"):
+    with pytest.raises(OutputError, match=r"is not empty\. Choose a new or empty directory, or pass --overwrite"):
         ps.export_standalone(swapped("gpt2", "alibi"), tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 

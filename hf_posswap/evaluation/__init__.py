@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidConfigError
-from .checks import check_causal, check_lengths_fit, check_settings
+from .checks import check_causal, check_lengths_fit, check_results_output, check_settings
 from .corpora import CORPORA, corpus_text, text_digest
 from .passkey import PasskeyResult, passkey_accuracy, passkey_prompt, shortest_passkey_length
 from .perplexity import MODES, PerplexityResult, perplexity, plan_windows
@@ -59,9 +59,7 @@ def evaluate(
     ``max_windows``: windows per length; ``None`` or 0 means all of them (as the CLI's ``--max-windows 0``)."""
     check_settings(lengths, modes, stride, tail_from, max_windows, passkey_lengths, depths, trials)
     if output is not None:
-        from ..saving import check_output_file
-
-        check_output_file(output, flag="output")
+        check_results_output(output, flag="output")
     check_causal(model)
     model.eval()
     source = "given text" if text is not None else f"corpus:{corpus}"

@@ -6,7 +6,9 @@ tokenizer but runs no forward pass.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -120,4 +122,23 @@ def check_lengths_fit(model: nn.Module, longest: int) -> None:
         raise InvalidConfigError(
             f"Length {longest} exceeds the model's learned position table ({table[0]}: {table[1]} positions). "
             f"Use lengths <= {table[1]}, or extend the context first (hf-posswap extend --to {longest})."
+        )
+
+
+def check_results_output(path: str | os.PathLike[str], flag: str = "--output") -> None:
+    """Where results JSON goes: a writable place, and never over an existing file that is not earlier results
+    (``--output model/config.json`` would otherwise destroy a checkpoint)."""
+    from ..saving import check_output_file
+
+    target = check_output_file(path, flag=flag)
+    if not target.exists():
+        return
+    try:
+        earlier = json.loads(target.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        earlier = None
+    if not (isinstance(earlier, dict) and "perplexity" in earlier and "passkey" in earlier):
+        raise InvalidConfigError(
+            f"{flag} {str(path)!r} exists and is not an hf-posswap results file; choose another file name (the "
+            "existing file is left untouched)."
         )

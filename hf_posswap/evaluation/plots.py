@@ -196,19 +196,29 @@ def load_runs(paths: Sequence[str], mode: str | None = None, passkey: bool = Fal
     return runs
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_row(row: Any) -> bool:
+    """A perplexity row: a positive length, a mode name and a numeric perplexity."""
+    return (isinstance(row, dict) and _number(row.get("length")) and row["length"] > 0
+            and isinstance(row.get("mode"), str) and _number(row.get("perplexity")))
+
+
 def _check_results(results: dict[str, Any], path: str, mode: str | None, passkey: bool) -> None:
     from ..errors import InvalidConfigError
 
     rows = results.get("perplexity")
-    keys = ("length", "mode", "perplexity")
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and all(k in r for k in keys) for r in rows):
+    if not isinstance(rows, list) or not all(_is_row(r) for r in rows):
         raise InvalidConfigError(f"{path!r} is not an hf-posswap eval results file (needs a 'perplexity' list of "
-                                 "rows with length, mode and perplexity).")
+                                 "rows with numeric length and perplexity and a mode).")
     if mode is not None and not any(r["mode"] == mode for r in rows):
         found = sorted({str(r["mode"]) for r in rows}) or ["none"]
         raise InvalidConfigError(f"{path!r} has no perplexity rows of mode {mode!r} (it has: {', '.join(found)}); "
                                  "pass --mode with one of those.")
     pass_rows = results.get("passkey")
     if passkey and (not isinstance(pass_rows, list) or not pass_rows
-                    or not all(isinstance(r, dict) and {"length", "depth", "accuracy"} <= set(r) for r in pass_rows)):
+                    or not all(isinstance(r, dict) and all(_number(r.get(k)) for k in ("length", "depth", "accuracy"))
+                               for r in pass_rows)):
         raise InvalidConfigError(f"{path!r} has no passkey results to draw; run eval with --passkey-lengths.")
