@@ -59,7 +59,8 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
                          ("truncated", _truncate),
                          ("no_weights", lambda d: (d / "model.safetensors").unlink()),
                          ("pickle_junk", _junk_bin),
-                         ("other_config", _other_config)):
+                         ("other_config", _other_config),
+                         ("lost_shard", _lose_shard)):
         shutil.copytree(root / "llama", root / name)
         change(root / name)
     for name, change in (("bad_record", lambda d: (d / "posswap_adapter.json").write_text("{oops")),
@@ -78,6 +79,12 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _junk_bin(directory: Path) -> None:
     (directory / "model.safetensors").unlink()
     (directory / "pytorch_model.bin").write_bytes(b"garbage, not a pickle")
+
+
+def _lose_shard(directory: Path) -> None:
+    (directory / "model.safetensors").unlink()
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
 
 
 def _other_config(directory: Path) -> None:
@@ -106,6 +113,7 @@ BEFORE_LOADING = [
     ("eval-unknown-model-type", E + ["{ws}/odd_type"], "model_type 'banana'"),
     ("eval-truncated-weights", E + ["{ws}/truncated"], "truncated/model.safetensors' is truncated or corrupt"),
     ("eval-no-weights", E + ["{ws}/no_weights"], "'{ws}/no_weights' holds no weights"),
+    ("eval-missing-shard", E + ["{ws}/lost_shard"], "names missing weight files ['model-00002-of-00002.safetensors']"),
     ("eval-junk-pytorch-bin", E + ["{ws}/pickle_junk"], "pytorch_model.bin' is not a PyTorch weights file"),
     ("eval-name-too-long", E + ["{ws}/" + "x" * 300], "File name too long"),
     ("eval-text-endless-device", E + ["{ws}/llama", "--text", "/dev/zero"], "'/dev/zero' is not a regular file"),
