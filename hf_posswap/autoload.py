@@ -54,8 +54,9 @@ def base_model_type(config: Any) -> str | None:
 def posswap_config_class(base: type) -> type:
     """``PosSwap<Base>``: the base config class with model_type ``hf_posswap_<type>``.
 
-    The class is also a module-level name of ``hf_posswap.autoload`` (see :func:`__getattr__`), so configs and
-    whole models pickle (``pickle.dumps(model.config)``, ``torch.save(model)``) and unpickle in a new process.
+    The class is also a module-level name of ``hf_posswap.autoload`` (:func:`_publish`), so configs and whole
+    models pickle (``pickle.dumps(model.config)``, ``torch.save(model)``). Unpickling imports ``hf_posswap``,
+    which registers every built-in family's classes first.
     """
     cls = type(
         f"PosSwap{base.__name__}",
@@ -137,19 +138,6 @@ def _publish(cls: type) -> type:
     """Make ``cls`` reachable as ``hf_posswap.autoload.<name>`` (what pickle looks up)."""
     globals().setdefault(cls.__name__, cls)  # a clash of names (never among the built-in families) stays unpicklable
     return cls
-
-
-def __getattr__(name: str) -> type:
-    """Unpickling looks classes up here: importing the package registers every supported family's classes."""
-    if name.startswith("PosSwap"):
-        import hf_posswap  # noqa: F401  (registers the families' classes; a no-op when already imported)
-
-        if name in globals():
-            return globals()[name]
-    raise AttributeError(
-        f"module {__name__!r} has no attribute {name!r}. Classes of families registered at run time must be "
-        "registered again (hf_posswap.register_family) before unpickling."
-    )
 
 
 def register_auto_classes(model_types: list[str]) -> None:

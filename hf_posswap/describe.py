@@ -8,8 +8,7 @@ from typing import Any
 from torch import nn
 
 from .families.base import FAMILY_REGISTRY
-from .peft_utils import unwrap_peft
-from .restore import check_loaded
+from .restore import check_loaded, unwrap_peft
 from .swap import swap_state
 
 

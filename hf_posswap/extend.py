@@ -24,8 +24,7 @@ from .context import POSITIONS_ATTR
 from .edits import Edit, SetAttribute, apply_all
 from .errors import InvalidConfigError, InvalidOptionError
 from .families.base import FamilyAdapter, get_family
-from .peft_utils import unwrap_peft
-from .restore import NativeWeightsMissingWarning, check_loaded, install_native_restorers
+from .restore import NativeWeightsMissingWarning, check_loaded, install_native_restorers, unwrap_peft
 from .schemes.base import SchemeConfig
 from .schemes.learned import LearnedConfig
 from .schemes.rope import RopeConfig

@@ -17,6 +17,7 @@ from torch import nn
 
 from .errors import InvalidConfigError
 from .families.base import get_family
+from .restore import unwrap_peft
 from .swap import swap_state
 
 ADAPTER_RECORD = "posswap_adapter.json"
@@ -85,12 +86,6 @@ def load_adapter(base_model: nn.Module, directory: str | os.PathLike[str], **kwa
                 f"hf_posswap.swap(base, hf_posswap.schemes.scheme_config_from_dict({wanted!r}))."
             )
     return PeftModel.from_pretrained(base_model, directory, **kwargs)
-
-
-def unwrap_peft(model: nn.Module) -> nn.Module:
-    """The transformers model inside a peft wrapper (or the model itself)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 _unwrap = unwrap_peft

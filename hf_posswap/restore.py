@@ -98,6 +98,12 @@ class ModelClassEdit(Edit):
         self.model.__class__ = self.base_class
 
 
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
 # --- after from_pretrained -----------------------------------------------------------------------------------
 
 

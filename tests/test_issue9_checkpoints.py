@@ -217,7 +217,6 @@ def test_swapped_config_unpickles_in_a_fresh_process(tmp_path: Path) -> None:
     assert result.stdout.strip() == "PosSwapGPT2Config hf_posswap_gpt2 t5", result.stderr[-2000:]
 
 
-@pytest.mark.xfail(strict=True, reason="edits keep lambdas (SetAttribute._make): needs a change in edits.py (lead)")
 def test_torch_save_of_a_swapped_model() -> None:
     model = swapped("gpt2", "alibi")
     buffer = io.BytesIO()
