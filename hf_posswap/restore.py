@@ -24,16 +24,19 @@ from torch import nn
 from .autoload import MODEL_TYPE_PREFIX, check_record
 from .edits import Edit
 from .errors import InvalidConfigError, PosSwapError
-from .schemes.base import SCHEME_REGISTRY, AbsolutePositions, BiasPositions, RotaryPositions, SchemeConfig
+from .schemes.base import (
+    FRESH_MARK,
+    SCHEME_REGISTRY,
+    AbsolutePositions,
+    BiasPositions,
+    NativeWeightsMissingWarning,
+    RotaryPositions,
+    SchemeConfig,
+)
 from .schemes.rope_scaling import SCALING_REGISTRY
 
 BOOKKEEPING = ("version", "family", "scheme", "extension")
 POSITIONS_ATTR = "posswap_positions"
-FRESH_MARK = "_posswap_fresh_native"
-
-
-class NativeWeightsMissingWarning(UserWarning):
-    """A native position module came back with transformers' fresh initialisation, not trained weights."""
 
 
 def scheme_from_record(record: dict[str, Any]) -> SchemeConfig:
@@ -250,8 +253,11 @@ def rebuild_native(model: nn.Module, owner: Any, attr: str, old: Any) -> Any:
         for module in old.modules():
             model._init_weights(module)
     _check_filled(tensors, attr)
-    if any(True for _ in old.parameters()):
+    parameters = list(old.parameters())
+    if parameters:
         setattr(old, FRESH_MARK, True)
+        for param in parameters:  # LearnedConfig(keep_weights=True) copies from the tensor: it warns too
+            setattr(param, FRESH_MARK, True)
     return old
 
 

@@ -319,3 +319,11 @@ def test_lift_keeps_trained_position_weights(scheme: str) -> None:
     before = logits(model)
     ps.extend_context(model, 4 * MAX_POSITIONS, "lift")
     assert torch.equal(logits(model), before)
+
+
+def test_keeping_a_recreated_native_table_warns(tmp_path: Path) -> None:
+    swapped("gpt2", "alibi").save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with pytest.warns(NativeWeightsMissingWarning, match=r"keep_weights=True\) starts from the model's native "
+                      r"position table, which this reloaded swapped checkpoint did not hold"):
+        ps.swap(loaded, "learned", replace=True)

@@ -20,6 +20,13 @@ from ..registry import Registry
 
 SchemeKind = Literal["absolute", "rotary", "bias", "none"]
 
+#: set on a native module (and its parameters) that a reloaded swapped model re-created with random weights
+FRESH_MARK = "_posswap_fresh_native"
+
+
+class NativeWeightsMissingWarning(UserWarning):
+    """A native position module came back with transformers' fresh initialisation, not trained weights."""
+
 
 @dataclass(frozen=True)
 class ModelSpec:

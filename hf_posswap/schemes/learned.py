@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..errors import InvalidConfigError
-from .base import AbsolutePositions, ModelSpec, SchemeConfig, register_scheme, require_bool, require_int_at_least
+from .base import (
+    FRESH_MARK,
+    AbsolutePositions,
+    ModelSpec,
+    NativeWeightsMissingWarning,
+    SchemeConfig,
+    register_scheme,
+    require_bool,
+    require_int_at_least,
+)
 
 
 class LearnedPositions(AbsolutePositions):
@@ -87,6 +97,14 @@ class LearnedConfig(SchemeConfig):
         weight = torch.empty(self.max_positions, spec.hidden_size, dtype=spec.dtype, device=spec.device)
         nn.init.normal_(weight, mean=0.0, std=spec.initializer_range)
         if self.keep_weights and spec.existing_table is not None:
+            if getattr(spec.existing_table, FRESH_MARK, False):
+                warnings.warn(
+                    "LearnedConfig(keep_weights=True) starts from the model's native position table, which this "
+                    "reloaded swapped checkpoint did not hold: it is transformers' random initialisation, not "
+                    "trained weights. Load the original checkpoint to keep its trained table.",
+                    NativeWeightsMissingWarning,
+                    stacklevel=6,
+                )
             kept = spec.existing_table.shape[0]
             weight[:kept] = spec.existing_table.detach().to(dtype=spec.dtype, device=spec.device)
         return LearnedPositions(weight)
