@@ -353,3 +353,84 @@ def test_both_entry_points_print_one_line_and_fail(workspace, tmp_path, entry, f
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert named in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "out").exists()
+
+
+# --- adversarial pass: faults the issue does not list -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--output", ""], "FinetuneConfig.output must be a non-empty path, got ''"),
+    (["--scheme", "alibu"], "Unknown position scheme 'alibu'"),
+    (["--scheme", "t5", "--scheme-option", "num_buckets=-3"], "num_buckets must be an integer >= 2, got -3"),
+    (["--extend-to", "128", "--extend-method", "yarnn"], "Unknown extension method 'yarnn'"),
+    (["--extend-method", "yarn"], "extend_method='yarn' needs extend_to"),
+    (["--extend-to", "0"], "extend_to must be a positive integer or None, got 0"),
+    (["--seq-len", "1"], "--seq-len 1 leaves nothing to predict for a causal LM"),
+    (["--resume", "--overwrite-output-dir"], "resume and overwrite_output_dir exclude each other"),
+])
+def test_more_bad_settings_are_refused_before_loading(workspace, tmp_path, capsys, no_model_loading, flags,
+                                                      named) -> None:
+    assert named in one_line_error(capsys, main(argv(workspace, tmp_path / "run") + flags))
+
+
+def test_odd_data_files(workspace, tmp_path, capsys, no_model_loading) -> None:
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes('\ufeff{"text": "written by an editor that adds a byte-order mark"}\n'.encode())
+    from hf_posswap.training.data import read_documents
+
+    assert read_documents([bom]) == ["written by an editor that adds a byte-order mark"]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    for data, message in ((empty, "The training data holds no text"),
+                          ("/dev/zero", "Data file /dev/zero is not a regular file"),
+                          (workspace / "corpus", "is a directory but not a `datasets` dataset")):
+        code = main(["--model", str(workspace / "gpt2"), "--data", str(data), "--output", str(tmp_path / "out")])
+        assert message in one_line_error(capsys, code)
+
+
+def test_a_dangling_symlink_output_is_refused(workspace, tmp_path, capsys, no_model_loading) -> None:
+    (tmp_path / "out").symlink_to(tmp_path / "nowhere")
+    assert "is a symlink to nothing" in one_line_error(capsys, main(argv(workspace, tmp_path / "out")))
+
+
+def test_resume_into_a_fresh_directory_starts_at_step_zero(workspace, tmp_path, capsys) -> None:
+    assert main(argv(workspace, tmp_path, "--resume")) == 0
+    assert "no previous run" in capsys.readouterr().err and steps_logged(tmp_path) == [1, 2]
+    (tmp_path / "finetune_config.json").unlink()
+    line = one_line_error(capsys, main(argv(workspace, tmp_path, "--resume", "--steps", "4")))
+    assert "finetune_config.json is missing, so the settings of the run to resume are unknown" in line
+
+
+def test_overwrite_unlinks_a_symlinked_result_without_touching_its_target(workspace, tmp_path) -> None:
+    import shutil
+
+    run(workspace, tmp_path / "run")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "precious.txt").write_text("keep")
+    shutil.rmtree(tmp_path / "run" / "final")
+    (tmp_path / "run" / "final").symlink_to(mine)
+    run(workspace, tmp_path / "run", overwrite_output_dir=True)
+    assert (mine / "precious.txt").read_text() == "keep"
+    assert (tmp_path / "run" / "final").is_dir() and not (tmp_path / "run" / "final").is_symlink()
+
+
+def test_an_interrupted_run_exits_130_releases_its_lock_and_resumes(workspace, tmp_path, capsys,
+                                                                   monkeypatch) -> None:
+    import hf_posswap.training.loop as loop
+
+    original = loop._loss
+    calls = {"n": 0}
+
+    def interrupt_at_third_batch(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "_loss", interrupt_at_third_batch)
+    assert main(argv(workspace, tmp_path, "--steps", "4")) == 130
+    assert "interrupted; checkpoints written so far are kept" in capsys.readouterr().err
+    monkeypatch.setattr(loop, "_loss", original)
+    assert main(argv(workspace, tmp_path, "--steps", "4", "--resume")) == 0
+    assert steps_logged(tmp_path) == [1, 2, 3, 4]

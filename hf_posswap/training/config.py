@@ -80,6 +80,22 @@ class FinetuneConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.data, str):
+            self.data = [self.data]
+        self._check_paths()
+        self._check_integers()
+        self._check_numbers()
+        self._check_choices()
+
+    def _check_paths(self) -> None:
+        for name in ("model", "output"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise InvalidConfigError(f"FinetuneConfig.{name} must be a non-empty path, got {value!r}.")
+        if not self.data or not all(isinstance(item, str) and item.strip() for item in self.data):
+            raise InvalidConfigError(f"FinetuneConfig.data must name files or globs, got {self.data!r}.")
+
+    def _check_integers(self) -> None:
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "lora_r"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -88,30 +104,33 @@ class FinetuneConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidConfigError(f"FinetuneConfig.{name} must be an integer >= 0, got {value!r}.")
-        self._check_numbers()
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise InvalidConfigError(
-                f"lr_schedule {self.lr_schedule!r} is not supported; choose one of {', '.join(LR_SCHEDULES)}."
-            )
-        if self.resume and self.overwrite_output_dir:
-            raise InvalidConfigError("resume and overwrite_output_dir exclude each other: pick one.")
-        if self.objective not in ("auto", "causal", "mlm"):
-            raise InvalidConfigError(f"objective must be auto, causal or mlm, got {self.objective!r}.")
-        if self.mixed_precision not in ("no", "fp16", "bf16"):
-            raise InvalidConfigError(f"mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}.")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise InvalidConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction!r}.")
-        if not 0.0 <= self.distill_weight <= 1.0:
-            raise InvalidConfigError(f"distill_weight must be in [0, 1], got {self.distill_weight!r}.")
+        for name in ("extend_to", "pose_target"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InvalidConfigError(f"FinetuneConfig.{name} must be a positive integer or None, got {value!r}.")
         if self.pose_target is not None and self.pose_target <= self.seq_len:
             raise InvalidConfigError(
                 f"pose_target={self.pose_target} must exceed seq_len={self.seq_len}: PoSE spreads short sequences "
                 "over a longer target length."
             )
+
+    def _check_choices(self) -> None:
+        if self.objective not in ("auto", "causal", "mlm"):
+            raise InvalidConfigError(f"objective must be auto, causal or mlm, got {self.objective!r}.")
+        if self.mixed_precision not in ("no", "fp16", "bf16"):
+            raise InvalidConfigError(f"mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}.")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise InvalidConfigError(
+                f"lr_schedule {self.lr_schedule!r} is not supported; choose one of {', '.join(LR_SCHEDULES)}."
+            )
+        if self.extend_method is not None and self.extend_to is None:
+            raise InvalidConfigError(
+                f"extend_method={self.extend_method!r} needs extend_to (the new context length): pass --extend-to N."
+            )
         if self.merge_lora and not self.lora:
             raise InvalidConfigError("merge_lora needs lora=True.")
-        if isinstance(self.data, str):
-            self.data = [self.data]
+        if self.resume and self.overwrite_output_dir:
+            raise InvalidConfigError("resume and overwrite_output_dir exclude each other: pick one.")
 
     def _check_numbers(self) -> None:
         """Float settings: finite and inside the range where training can work (a zero temperature or masking

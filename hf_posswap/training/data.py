@@ -44,8 +44,11 @@ def read_documents(paths: Iterable[Path], text_field: str = "text") -> list[str]
 
 
 def _read_text(path: Path) -> str:
+    """A UTF-8 file's text (a byte-order mark, as some editors write, is dropped); only regular files are read."""
+    if path.exists() and not path.is_file():
+        raise InvalidConfigError(f"Data file {path} is not a regular file (a device or pipe); pass text/jsonl files.")
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
         raise InvalidConfigError(
             f"Data file {path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "

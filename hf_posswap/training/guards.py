@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidConfigError, PosSwapError
+from ..errors import InvalidConfigError, PosSwapError, closest_hint
 from .config import FinetuneConfig
 
 #: what a run writes into its output directory (``--overwrite-output-dir`` removes these and nothing else)
@@ -49,6 +49,21 @@ def check_model_path(model: str) -> None:
         )
 
 
+def check_positions(config: FinetuneConfig) -> None:
+    """The scheme name and options and the extension method are valid before any model is loaded."""
+    from ..extend import available_extension_methods
+    from ..swap import resolve_scheme
+
+    if config.scheme is not None:
+        resolve_scheme(config.scheme, dict(config.scheme_options))  # unknown names and bad options raise here
+    methods = available_extension_methods()
+    if config.extend_method is not None and config.extend_method not in methods:
+        raise InvalidConfigError(
+            f"Unknown extension method {config.extend_method!r}; choose one of {', '.join(methods)}."
+            f"{closest_hint(config.extend_method, methods)}"
+        )
+
+
 def resolve_objective(config: FinetuneConfig) -> str:
     """``causal`` or ``mlm`` from the model's config alone; impossible pairs are refused before loading weights."""
     from transformers import AutoConfig
@@ -74,12 +89,19 @@ def resolve_objective(config: FinetuneConfig) -> str:
             f"--objective causal on {config.model!r}, a bidirectional '{base_type}' encoder, would let every token "
             "see the token it predicts; use --objective mlm (or auto)."
         )
+    if objective == "causal" and config.seq_len < 2:
+        raise InvalidConfigError(
+            f"--seq-len {config.seq_len} leaves nothing to predict for a causal LM (each token predicts the next); "
+            "pass --seq-len 2 or more."
+        )
     return objective
 
 
 def check_output(config: FinetuneConfig) -> None:
     """``--output`` is a directory (or does not exist yet) and holds no previous run unless asked for."""
     output = Path(config.output).expanduser()
+    if output.is_symlink() and not output.exists():
+        raise OutputDirError(f"--output {config.output!r} is a symlink to nothing; pass a directory for the run.")
     if output.exists() and not output.is_dir():
         raise OutputDirError(f"--output {config.output!r} is a file; pass a directory for the run.")
     previous = previous_run_files(output)

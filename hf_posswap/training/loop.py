@@ -22,6 +22,7 @@ from .guards import (
     all_finite,
     check_model_path,
     check_output,
+    check_positions,
     check_sequence_length,
     diverged,
     previous_run_files,
@@ -69,6 +70,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     _fresh_accelerate_state()
     documents = read_documents(expand_paths(config.data), config.text_field)  # bad data fails before any loading
     check_model_path(config.model)
+    check_positions(config)
     objective = resolve_objective(config)
     check_output(config)
     # cpu=True on machines without CUDA makes torchrun-launched processes (`accelerate launch --multi_gpu`,
@@ -105,7 +107,7 @@ def _own_output(output: Path, accelerator, config: FinetuneConfig) -> OutputLock
 def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str], objective: str) -> dict[str, Any]:
     from transformers import get_scheduler
 
-    resume = _plan_resume(config, output) if config.resume else None
+    resume = _plan_resume(config, output, accelerator) if config.resume else None
     model, tokenizer = _load_model(config, objective)
     teacher = _teacher(model, accelerator) if config.distill else None
     _prepare_positions(model, config)
@@ -349,11 +351,11 @@ def _save_checkpoint(accelerator, output: Path, position: dict[str, int]) -> Pat
     return output / CHECKPOINTS / f"step-{position['step']}"
 
 
-def _plan_resume(config: FinetuneConfig, output: Path) -> dict[str, Any] | None:
+def _plan_resume(config: FinetuneConfig, output: Path, accelerator) -> dict[str, Any] | None:
     """What ``--resume`` will do, decided from files alone: the checkpoints to try (newest valid first) and the
     safe setting changes. ``None``: nothing to resume (a fresh directory), the run starts at step 0."""
     if not previous_run_files(output):
-        _say(f"--resume: no previous run in {output}; starting at step 0.")
+        _say(f"--resume: no previous run in {output}; starting at step 0.", accelerator)
         return None
     changes = check_changes(output, config)
     valid, rejected = checkpoints_newest_first(output)
@@ -365,7 +367,7 @@ def _plan_resume(config: FinetuneConfig, output: Path) -> dict[str, Any] | None:
         raise CheckpointError(f"--resume: the run in {output} has {finished[0]}/ but no checkpoint to continue from; "
                               "start a new run with --overwrite-output-dir (or in another --output).")
     if not valid:
-        _say(f"--resume: the run in {output} stopped before its first checkpoint; starting at step 0.")
+        _say(f"--resume: the run in {output} stopped before its first checkpoint; starting at step 0.", accelerator)
     return {"candidates": valid, "rejected": rejected, "changes": changes}
 
 

@@ -86,7 +86,7 @@ def record_settings(output: Path, config: FinetuneConfig, changes: dict[str, tup
     """Write ``finetune_config.json``: the settings now in force and, after a resume with safe changes, when and
     what changed."""
     history: list[dict[str, Any]] = []
-    if config.resume:
+    if config.resume and (output / CONFIG_FILE).exists():
         history = list(recorded_settings(output).get(HISTORY_KEY, []))
         if changes:
             history.append({"at_step": step, "changed": {name: list(pair) for name, pair in changes.items()}})
