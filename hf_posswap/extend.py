@@ -34,6 +34,8 @@ from .swap import CONFIG_RECORD, SwapState, swap, swap_state
 PEFT_WRAPPER_ATTR = "modules_to_save"
 
 TABLE_METHODS = ("interpolate", "copy")
+#: 2^24: float32 represents every integer position up to here, and no further
+MAX_POSITIONS_LIMIT = 2**24
 LIFT = "lift"
 
 
@@ -61,6 +63,7 @@ def extend_context(model: nn.Module, max_positions: int, method: str | None = No
     original, current = _lengths(model, state)
     if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
         raise InvalidConfigError(f"max_positions must be a positive integer, got {max_positions!r}.")
+    _check_length_limit(max_positions)
     if max_positions < current:
         raise InvalidConfigError(
             f"max_positions={max_positions} is shorter than the model's current length {current}; extend_context "
@@ -265,12 +268,24 @@ def _apply_length_edits(
 def replay_extension(model: nn.Module, record: dict[str, Any]) -> None:
     """Re-apply a recorded extension's lengths on a model whose scheme was just restored (scaling and table sizes
     are in the scheme record itself)."""
-    try:
-        method = record["method"]
-        original = int(record["original_max_position_embeddings"])
-        max_positions = int(record["max_position_embeddings"])
-    except (KeyError, TypeError, ValueError) as error:
+    method = record.get("method") if isinstance(record, dict) else None
+    original = record.get("original_max_position_embeddings") if isinstance(record, dict) else None
+    max_positions = record.get("max_position_embeddings") if isinstance(record, dict) else None
+    lengths_ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (original, max_positions))
+    if method not in available_extension_methods() or not lengths_ok or not 1 <= original <= max_positions:
         raise InvalidConfigError(
-            f"The checkpoint's config.posswap.extension record is malformed: {record!r}"
-        ) from error
+            f"The checkpoint's config.posswap.extension record is malformed: {record!r}. It needs 'method' (one of "
+            f"{', '.join(available_extension_methods())}) and integer lengths with 1 <= "
+            "original_max_position_embeddings <= max_position_embeddings. Restore config.json as it was saved."
+        )
+    _check_length_limit(max_positions)
     _apply_length_edits(model, get_family(model), method, original, max_positions, dict(record))
+
+
+def _check_length_limit(max_positions: int) -> None:
+    if max_positions > MAX_POSITIONS_LIMIT:
+        raise InvalidConfigError(
+            f"max_positions={max_positions} is past {MAX_POSITIONS_LIMIT} (2^24), the last position float32 holds "
+            "exactly (positions and angles are computed in float32, and position-sized tables and buffers would "
+            "need that much memory). Pass a smaller length."
+        )

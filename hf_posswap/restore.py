@@ -66,10 +66,18 @@ def scheme_from_record(record: dict[str, Any]) -> SchemeConfig:
 def restore_swap(model: nn.Module, record: Any) -> None:
     """Swap ``model`` as ``record`` says, then re-apply its recorded context length."""
     from .extend import replay_extension
+    from .families.base import get_family
     from .swap import swap
 
     record = check_record(record)
     config = scheme_from_record(record)
+    family = record.get("family")
+    if family is not None and family != get_family(model).name:
+        raise InvalidConfigError(
+            f"The checkpoint's config.posswap record says family {family!r} but the model is "
+            f"'{get_family(model).name}' ({type(model).__name__}): config.json was edited or mixed up after saving. "
+            "Restore it as hf_posswap saved it."
+        )
     # The loaded record and model type belong to the swap about to be replayed, not to the original model:
     # drop them so that unswap() returns a plain config.
     for attr in ("posswap", "model_type"):

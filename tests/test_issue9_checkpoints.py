@@ -327,3 +327,33 @@ def test_keeping_a_recreated_native_table_warns(tmp_path: Path) -> None:
     with pytest.warns(NativeWeightsMissingWarning, match=r"keep_weights=True\) starts from the model's native "
                       r"position table, which this reloaded swapped checkpoint did not hold"):
         ps.swap(loaded, "learned", replace=True)
+
+
+@pytest.mark.parametrize("extension", [
+    {"method": "lift", "original_max_position_embeddings": 0, "max_position_embeddings": 128},
+    {"method": "lift", "original_max_position_embeddings": 128, "max_position_embeddings": 64},
+    {"method": "nope", "original_max_position_embeddings": 64, "max_position_embeddings": 128},
+    {"method": "lift", "original_max_position_embeddings": 64.0, "max_position_embeddings": 128},
+], ids=["zero", "shrinks", "unknown-method", "float"])
+def test_malformed_extension_records_are_refused(tmp_path: Path, extension: dict) -> None:
+    path = _save(tmp_path, "gpt2", "alibi")
+    _edit_config(path, lambda config: config["posswap"].update(extension=extension))
+    with pytest.raises(ps.InvalidConfigError, match=r"config.posswap.extension record is malformed.*1 <= "
+                       r"original_max_position_embeddings <= max_position_embeddings"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_record_of_another_family_is_refused(tmp_path: Path) -> None:
+    path = _save(tmp_path, "gpt2", "alibi")
+    _edit_config(path, lambda config: config["posswap"].update(family="bert"))
+    with pytest.raises(ps.InvalidConfigError, match=r"record says family 'bert' but the model is 'gpt2'"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_absurd_lengths_are_refused_before_allocating() -> None:
+    model = make_model("gpt2")
+    with pytest.raises(ps.InvalidConfigError, match=r"max_positions=1000000000 is past 16777216 \(2\^24\)"):
+        ps.extend_context(model, 10**9, "interpolate")
+    assert swap_state(model) is None
+    with pytest.raises(ps.InvalidConfigError, match=r"LearnedConfig.max_positions=1000000000 is past 16777216"):
+        ps.swap(model, "learned", max_positions=10**9)

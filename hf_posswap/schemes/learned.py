@@ -20,6 +20,8 @@ from .base import (
     require_int_at_least,
 )
 
+MAX_TABLE_POSITIONS = 2**24
+
 
 class LearnedPositions(AbsolutePositions):
     """A trainable table ``weight[max_positions, hidden]`` looked up by position id.
@@ -72,6 +74,12 @@ class LearnedConfig(SchemeConfig):
     def validate(self) -> None:
         if self.max_positions is not None:
             require_int_at_least("LearnedConfig", "max_positions", self.max_positions, 1)
+            if self.max_positions > MAX_TABLE_POSITIONS:
+                raise InvalidConfigError(
+                    f"LearnedConfig.max_positions={self.max_positions} is past {MAX_TABLE_POSITIONS} (2^24), the last "
+                    "position float32 holds exactly; such a table would not fit in memory either. Use a smaller "
+                    "length, or a scheme without a table (rope, alibi, t5)."
+                )
         require_bool("LearnedConfig", "keep_weights", self.keep_weights)
 
     def resolve(self, spec: ModelSpec) -> LearnedConfig:
