@@ -241,6 +241,7 @@ def test_overwrite_output_dir_replaces_only_what_a_run_writes(workspace, tmp_pat
     assert (tmp_path / "final").is_dir() and (tmp_path / "checkpoints" / "step-1").is_dir()
     assert main(argv(workspace, tmp_path, "--overwrite-output-dir", "--steps", "3", "--save-every", "3")) == 0
     assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "checkpoints" / "my-notes.md").read_text() == "also mine"
     assert steps_logged(tmp_path) == [1, 2, 3]
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-3"]
     assert json.loads((tmp_path / "finetune_config.json").read_text())["steps"] == 3

@@ -155,15 +155,32 @@ class OutputLock:
 
 
 def remove_previous_run(output: Path) -> list[str]:
-    """Remove what a previous run wrote (``RUN_FILES``) and nothing else; returns the names removed."""
+    """Remove what a previous run wrote (``RUN_FILES``; inside ``checkpoints/`` only its ``step-N`` directories,
+    staging directories and ``latest``) and nothing else; returns the names removed."""
     removed = previous_run_files(output)
     for name in removed:
         path = output / name
-        if path.is_dir() and not path.is_symlink():
+        if name == "checkpoints" and path.is_dir() and not path.is_symlink():
+            _remove_checkpoints(path)
+        elif path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:
             path.unlink()
     return removed
+
+
+def _remove_checkpoints(root: Path) -> None:
+    for path in root.iterdir():
+        written = path.name == "latest" or path.name.startswith((".latest.tmp-", ".staging-step-"))
+        written = written or (path.name.startswith("step-") and path.name[5:].isdigit())
+        if not written:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if not any(root.iterdir()):
+        root.rmdir()
 
 
 # --- after loading, while training -------------------------------------------------------------------------------
