@@ -5,9 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +23,12 @@ from .guards import (
     check_positions,
     check_sequence_length,
     diverged,
-    previous_run_files,
     remove_previous_run,
     resolve_objective,
 )
 from .losses import distillation_kl, hidden_state_matching, pose_position_ids
-from .resume import CONFIG_FILE, LOSS_LOG, check_changes, check_steps, record_settings, truncate_loss_log
-from .state import (
-    CHECKPOINTS,
-    CheckpointError,
-    checkpoints_newest_first,
-    has_checkpoint_dirs,
-    latest_checkpoint,
-    publish_checkpoint,
-    staging_dir,
-)
+from .resume import CONFIG_FILE, LOSS_LOG, load_checkpoint, plan_resume, record_settings, say, truncate_loss_log
+from .state import CHECKPOINTS, latest_checkpoint, publish_checkpoint, save_result, staging_dir
 
 
 class EpochShuffle(Sampler[int]):
@@ -107,7 +96,7 @@ def _own_output(output: Path, accelerator, config: FinetuneConfig) -> OutputLock
 def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str], objective: str) -> dict[str, Any]:
     from transformers import get_scheduler
 
-    resume = _plan_resume(config, output, accelerator) if config.resume else None
+    resume = plan_resume(config, output, accelerator) if config.resume else None
     model, tokenizer = _load_model(config, objective)
     teacher = _teacher(model, accelerator) if config.distill else None
     _prepare_positions(model, config)
@@ -137,7 +126,7 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
 
     position, checkpoint = {"step": 0, "epoch": 0, "batches_in_epoch": 0}, None
     if resume is not None:
-        checkpoint, position = _load_checkpoint(accelerator, resume, config)
+        checkpoint, position = load_checkpoint(accelerator, resume, config)
     _start_record(config, accelerator, output, position["step"], resume)
     parts = {"model": model, "teacher": teacher, "optimizer": optimizer, "scheduler": scheduler,
              "train_loader": train_loader, "eval_loader": eval_loader, "trainable": trainable}
@@ -146,7 +135,7 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
         eval_loss = _evaluate(model, eval_loader, objective, accelerator)
     if not all_finite(trainable):
         raise diverged(position["step"], "final weights' value", math.nan, config, _last_saved(output))
-    result_dir = _save_result(accelerator, model, tokenizer, output, config)
+    result_dir = save_result(accelerator, model, tokenizer, output, config)
     checksum = float(sum(p.detach().double().sum() for p in trainable))  # equal in every process after DDP
     return {
         "train_loss": last_loss,
@@ -351,51 +340,11 @@ def _save_checkpoint(accelerator, output: Path, position: dict[str, int]) -> Pat
     return output / CHECKPOINTS / f"step-{position['step']}"
 
 
-def _plan_resume(config: FinetuneConfig, output: Path, accelerator) -> dict[str, Any] | None:
-    """What ``--resume`` will do, decided from files alone: the checkpoints to try (newest valid first) and the
-    safe setting changes. ``None``: nothing to resume (a fresh directory), the run starts at step 0."""
-    if not previous_run_files(output):
-        _say(f"--resume: no previous run in {output}; starting at step 0.", accelerator)
-        return None
-    changes = check_changes(output, config)
-    valid, rejected = checkpoints_newest_first(output)
-    if not valid and has_checkpoint_dirs(output):
-        raise CheckpointError(f"--resume found no usable checkpoint in {output}: {' '.join(rejected)} Start a new run "
-                              "with --overwrite-output-dir.")
-    finished = [name for name in ("final", "adapter") if (output / name).exists()]
-    if not valid and finished:
-        raise CheckpointError(f"--resume: the run in {output} has {finished[0]}/ but no checkpoint to continue from; "
-                              "start a new run with --overwrite-output-dir (or in another --output).")
-    if not valid:
-        _say(f"--resume: the run in {output} stopped before its first checkpoint; starting at step 0.", accelerator)
-    return {"candidates": valid, "rejected": rejected, "changes": changes}
-
-
-def _load_checkpoint(accelerator, resume: dict[str, Any], config: FinetuneConfig):
-    """Load the newest checkpoint that loads, saying which ones were passed over and why."""
-    passed_over = list(resume["rejected"])
-    for path, state in resume["candidates"]:
-        check_steps(config, state["step"], path)
-        try:
-            accelerator.load_state(str(path))
-        except Exception as error:  # noqa: BLE001  (any failure to load means: try the next older checkpoint)
-            passed_over.append(f"{path} does not load ({type(error).__name__}: {' '.join(str(error).split())[:200]}).")
-            continue
-        if passed_over:
-            _say(f"--resume: passed over {' '.join(passed_over)} Resuming from the older {path}.", accelerator)
-        _say(f"Resumed from {path} at step {state['step']}.", accelerator)
-        return path, dict(state)
-    if passed_over:
-        raise CheckpointError(f"--resume: no checkpoint loads: {' '.join(passed_over)} Start a new run with "
-                              "--overwrite-output-dir.")
-    return None, {"step": 0, "epoch": 0, "batches_in_epoch": 0}
-
-
 def _start_record(config: FinetuneConfig, accelerator, output: Path, step: int, resume: dict[str, Any] | None) -> None:
     """Right before training: clear a replaced run, cut the loss log back to the resumed step, record settings."""
     if accelerator.is_main_process:
         if config.overwrite_output_dir and (removed := remove_previous_run(output)):
-            _say(f"--overwrite-output-dir: removed the previous run's {', '.join(removed)} in {output}.")
+            say(f"--overwrite-output-dir: removed the previous run's {', '.join(removed)} in {output}.")
         if config.resume:
             truncate_loss_log(output, step)
         changes = resume["changes"] if resume else {}
@@ -404,52 +353,7 @@ def _start_record(config: FinetuneConfig, accelerator, output: Path, step: int, 
     accelerator.wait_for_everyone()
 
 
-def _say(message: str, accelerator=None) -> None:
-    if accelerator is None or accelerator.is_main_process:
-        print(message, file=sys.stderr, flush=True)
-
-
 def _last_saved(output: Path) -> Path | None:
     return latest_checkpoint(output)
 
 
-def _save_result(accelerator, model, tokenizer, output: Path, config: FinetuneConfig) -> Path:
-    """The final model (or adapter, and with ``merge_lora`` the merged model), written atomically."""
-    accelerator.wait_for_everyone()
-    final = output / ("adapter" if config.lora else "final")
-    if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        staging = _fresh_staging(final)
-        if config.lora:
-            from ..peft_utils import save_adapter
-
-            save_adapter(unwrapped, staging)
-        else:
-            unwrapped.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        _swap_in(staging, final)
-        if config.merge_lora:
-            merged_dir = output / "merged"
-            staging = _fresh_staging(merged_dir)
-            copy.deepcopy(unwrapped).merge_and_unload().save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            _swap_in(staging, merged_dir)
-    accelerator.wait_for_everyone()
-    return final
-
-
-def _fresh_staging(target: Path) -> Path:
-    staging = target.with_name(f".{target.name}.staging")
-    shutil.rmtree(staging, ignore_errors=True)
-    return staging
-
-
-def _swap_in(staging: Path, target: Path) -> None:
-    """Replace the directory ``target`` by ``staging``: the old one is renamed aside first and removed last, so a
-    crash leaves either the old or the new directory complete."""
-    old = target.with_name(f".{target.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if target.exists():
-        os.replace(target, old)
-    os.replace(staging, target)
-    shutil.rmtree(old, ignore_errors=True)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from ..errors import PosSwapError
 from .config import RESUME_SAFE, RUN_CONTROL, FinetuneConfig
-from .state import write_text_atomic
+from .guards import previous_run_files
+from .state import CheckpointError, checkpoints_newest_first, has_checkpoint_dirs, write_text_atomic
 
 CONFIG_FILE = "finetune_config.json"
 LOSS_LOG = "loss_log.jsonl"
@@ -111,6 +113,51 @@ def truncate_loss_log(output: Path, step: int) -> None:
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
             kept.append(line)
     write_text_atomic(path, "".join(f"{line}\n" for line in kept))
+
+
+def plan_resume(config: FinetuneConfig, output: Path, accelerator) -> dict[str, Any] | None:
+    """What ``--resume`` will do, decided from files alone: the checkpoints to try (newest valid first) and the
+    safe setting changes. ``None``: nothing to resume (a fresh directory), the run starts at step 0."""
+    if not previous_run_files(output):
+        say(f"--resume: no previous run in {output}; starting at step 0.", accelerator)
+        return None
+    changes = check_changes(output, config)
+    valid, rejected = checkpoints_newest_first(output)
+    if not valid and has_checkpoint_dirs(output):
+        raise CheckpointError(f"--resume found no usable checkpoint in {output}: {' '.join(rejected)} Start a new run "
+                              "with --overwrite-output-dir.")
+    finished = [name for name in ("final", "adapter") if (output / name).exists()]
+    if not valid and finished:
+        raise CheckpointError(f"--resume: the run in {output} has {finished[0]}/ but no checkpoint to continue from; "
+                              "start a new run with --overwrite-output-dir (or in another --output).")
+    if not valid:
+        say(f"--resume: the run in {output} stopped before its first checkpoint; starting at step 0.", accelerator)
+    return {"candidates": valid, "rejected": rejected, "changes": changes}
+
+
+def load_checkpoint(accelerator, resume: dict[str, Any], config: FinetuneConfig):
+    """Load the newest checkpoint that loads, saying which ones were passed over and why."""
+    passed_over = list(resume["rejected"])
+    for path, state in resume["candidates"]:
+        check_steps(config, state["step"], path)
+        try:
+            accelerator.load_state(str(path))
+        except Exception as error:  # noqa: BLE001  (any failure to load means: try the next older checkpoint)
+            passed_over.append(f"{path} does not load ({type(error).__name__}: {' '.join(str(error).split())[:200]}).")
+            continue
+        if passed_over:
+            say(f"--resume: passed over {' '.join(passed_over)} Resuming from the older {path}.", accelerator)
+        say(f"Resumed from {path} at step {state['step']}.", accelerator)
+        return path, dict(state)
+    if passed_over:
+        raise CheckpointError(f"--resume: no checkpoint loads: {' '.join(passed_over)} Start a new run with "
+                              "--overwrite-output-dir.")
+    return None, {"step": 0, "epoch": 0, "batches_in_epoch": 0}
+
+
+def say(message: str, accelerator=None) -> None:
+    if accelerator is None or accelerator.is_main_process:
+        print(message, file=sys.stderr, flush=True)
 
 
 def _default(field: dataclasses.Field) -> Any:

@@ -10,13 +10,17 @@ atomically) points at it: a crash during a save never leaves a half-written chec
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PosSwapError
+
+if TYPE_CHECKING:
+    from .config import FinetuneConfig
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -133,3 +137,45 @@ def _count(value: Any) -> bool:
 
 def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())
+
+
+def save_result(accelerator, model, tokenizer, output: Path, config: FinetuneConfig) -> Path:
+    """The final model (or adapter, and with ``merge_lora`` the merged model), written atomically."""
+    accelerator.wait_for_everyone()
+    final = output / ("adapter" if config.lora else "final")
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        staging = _fresh_staging(final)
+        if config.lora:
+            from ..peft_utils import save_adapter
+
+            save_adapter(unwrapped, staging)
+        else:
+            unwrapped.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        _swap_in(staging, final)
+        if config.merge_lora:
+            merged_dir = output / "merged"
+            staging = _fresh_staging(merged_dir)
+            copy.deepcopy(unwrapped).merge_and_unload().save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            _swap_in(staging, merged_dir)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _fresh_staging(target: Path) -> Path:
+    staging = target.with_name(f".{target.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    return staging
+
+
+def _swap_in(staging: Path, target: Path) -> None:
+    """Replace the directory ``target`` by ``staging``: the old one is renamed aside first and removed last, so a
+    crash leaves either the old or the new directory complete."""
+    old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(staging, target)
+    shutil.rmtree(old, ignore_errors=True)
