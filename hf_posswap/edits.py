@@ -69,7 +69,7 @@ class SetAttribute(Edit):
         if self._old is _MISSING:
             delattr(self.owner, self.attr)
         else:
-            setattr(self.owner, self.attr, self._old)
+            setattr(self.owner, self.attr, _follow_owner(self._old, self.owner))
 
 
 class SetConfigClass(Edit):
@@ -142,6 +142,17 @@ class WrapForward(Edit):
         else:
             self._wrapper.active = False
         self._wrapper = None
+
+
+def _follow_owner(old: Any, owner: Any) -> Any:
+    """A module put back into ``owner`` moves to the device and floating dtype the owner has now: the model may
+    have been moved or cast (``.to``, ``.half()``) while the swap was on."""
+    if not isinstance(old, nn.Module) or not isinstance(owner, nn.Module):
+        return old
+    reference = next((t for t in (*owner.parameters(), *owner.buffers()) if t.is_floating_point()), None)
+    if reference is None:
+        return old
+    return old.to(device=reference.device, dtype=reference.dtype)
 
 
 def apply_all(edits: Sequence[Edit]) -> None:

@@ -8,6 +8,7 @@ the edits apply as one transaction.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ from .edits import (
 )
 from .errors import AlreadySwappedError, IncompatibleAttentionError, InvalidOptionError, NotSwappedError
 from .families.base import FamilyAdapter, get_family
-from .schemes.base import SCHEME_REGISTRY, ModelSpec, SchemeConfig
+from .schemes.base import SCHEME_REGISTRY, ModelSpec, NativeWeightsMissingWarning, SchemeConfig
 from .schemes.rope import RopeConfig
 from .schemes.rope_scaling import SelfExtend
 
@@ -90,7 +91,11 @@ def swap(model: nn.Module, scheme: str | SchemeConfig, *, replace: bool = False,
         UnknownSchemeError, InvalidOptionError, InvalidConfigError, UnsupportedFamilyError,
         IncompatibleAttentionError, AlreadySwappedError. On any error the model is left exactly as it was.
     """
+    from .restore import check_loaded, install_native_restorers, unwrap_peft
+
+    wrapper, model = model, unwrap_peft(model)  # a peft model: swap the transformers model inside
     adapter = get_family(model)
+    check_loaded(model)
     config = resolve_scheme(scheme, options)
     previous: SwapState | None = getattr(model, STATE_ATTR, None)
     if previous is not None and not replace:
@@ -99,7 +104,9 @@ def swap(model: nn.Module, scheme: str | SchemeConfig, *, replace: bool = False,
             "hf_posswap.unswap(model) first, or swap(model, ..., replace=True) to replace it cleanly."
         )
     if previous is not None:
-        unswap(model)
+        with warnings.catch_warnings():  # a re-created native table is flagged again below, when it matters
+            warnings.simplefilter("ignore", NativeWeightsMissingWarning)
+            unswap(model)
     try:
         state = _install(model, adapter, config)
     except BaseException:
@@ -108,11 +115,16 @@ def swap(model: nn.Module, scheme: str | SchemeConfig, *, replace: bool = False,
             setattr(model, STATE_ATTR, previous)
         raise
     setattr(model, STATE_ATTR, state)
-    return model
+    install_native_restorers(model)  # native weights a reloaded checkpoint never held stay flagged for unswap
+    return wrapper
 
 
 def unswap(model: nn.Module) -> nn.Module:
     """Restore the model's original position mechanism exactly (modules, config, attention implementation)."""
+    from .restore import check_loaded, unwrap_peft
+
+    wrapper, model = model, unwrap_peft(model)
+    check_loaded(model)
     state: SwapState | None = getattr(model, STATE_ATTR, None)
     if state is None:
         raise NotSwappedError(
@@ -121,7 +133,7 @@ def unswap(model: nn.Module) -> nn.Module:
         )
     revert_all(state.edits)
     delattr(model, STATE_ATTR)
-    return model
+    return wrapper
 
 
 def swap_state(model: nn.Module) -> SwapState | None:

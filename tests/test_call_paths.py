@@ -392,3 +392,28 @@ def test_position_ids_of_the_wrong_length_are_named() -> None:
     model = swapped("llama", "alibi")
     with pytest.raises(ps.InvalidConfigError, match=r"position_ids has shape \(1, 5\) but the input has 12 tokens"):
         model(input_ids=tokens(2, 12), position_ids=torch.arange(5)[None])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unswap_after_a_cast_restores_native_modules_in_the_new_dtype(family: str) -> None:
+    model = swapped(family, "alibi")
+    model.to(torch.float64)
+    ps.unswap(model)
+    inputs = padded_inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, make_model(family).to(torch.float64)(**inputs).logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_swap_and_unswap_through_a_peft_wrapper(family: str) -> None:
+    from peft import get_peft_model
+
+    model = make_model(family)
+    peft_model = get_peft_model(model, ps.lora_config(model, r=2))
+    assert ps.swap(peft_model, "alibi") is peft_model
+    inputs = padded_inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(**inputs).logits, swapped(family, "alibi")(**inputs).logits)
+    assert ps.unswap(peft_model) is peft_model
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(**inputs).logits, make_model(family)(**inputs).logits)
