@@ -399,6 +399,7 @@ def test_unswap_after_a_cast_restores_native_modules_in_the_new_dtype(family: st
     model = swapped(family, "alibi")
     model.to(torch.float64)
     ps.unswap(model)
+    assert {p.dtype for p in model.parameters()} == {torch.float64}  # the put-back table/rotary follow the cast
     inputs = padded_inputs()
     with torch.no_grad():
         torch.testing.assert_close(model(**inputs).logits, make_model(family).to(torch.float64)(**inputs).logits)
