@@ -43,14 +43,8 @@ def _demo(argv: list[str]) -> int:
 
 def _finetune(argv: list[str]) -> int:
     from .finetune import main as finetune_main
-    from .loading import inspect_model_path
-    from .training.config import build_parser
 
-    if "-h" not in argv and "--help" not in argv:
-        known, _ = build_parser().parse_known_args(argv)
-        if getattr(known, "model", None) is not None:
-            inspect_model_path(known.model)  # a missing or corrupt --model: one line, before anything runs
-    return finetune_main(argv)
+    return finetune_main(argv)  # checks --model (and everything else) itself, before anything runs
 
 
 def _options(items: list[str]) -> dict[str, Any]:

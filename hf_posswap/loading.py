@@ -94,7 +94,10 @@ def inspect_model_path(value: str | os.PathLike[str], flag: str = "--model") -> 
         )
     config = read_json(path / "config.json", flag)
     _check_model_type(config, path / "config.json")
-    _check_weights(path, WEIGHT_FILES, flag, text)
+    keys = _check_weights(path, WEIGHT_FILES, flag, text)
+    from .restore import check_checkpoint_keys
+
+    check_checkpoint_keys(config, keys, repr(text))  # position weights under a plain model_type would be dropped
     return ModelSource(text, "checkpoint", config)
 
 
@@ -128,7 +131,8 @@ def _check_model_type(config: dict[str, Any], path: Path) -> None:
         )
 
 
-def _check_weights(path: Path, names: tuple[str, ...], flag: str, text: str) -> None:
+def _check_weights(path: Path, names: tuple[str, ...], flag: str, text: str) -> list[str]:
+    """Check the weight files from their headers; return the tensor names of safetensors files (else [])."""
     present = [name for name in names if (path / name).exists()]
     if not present:
         raise CheckpointError(f"{flag} {text!r} holds no weights (none of {', '.join(names)}); re-save the model.")
@@ -140,13 +144,15 @@ def _check_weights(path: Path, names: tuple[str, ...], flag: str, text: str) -> 
         if not shards or missing:
             raise CheckpointError(f"{flag}: {str(path / name)!r} names missing weight files {missing or '(none)'}; "
                                   "copy them back or re-save the model.")
+        keys = []
         for shard in shards:
             if shard.endswith(".safetensors"):
-                check_safetensors(path / shard)
-    elif name.endswith(".safetensors"):
-        check_safetensors(path / name)
-    else:
-        check_torch_file(path / name)
+                keys += check_safetensors(path / shard)
+        return keys
+    if name.endswith(".safetensors"):
+        return check_safetensors(path / name)
+    check_torch_file(path / name)
+    return []
 
 
 def check_torch_file(path: Path) -> None:
@@ -161,8 +167,9 @@ def check_torch_file(path: Path) -> None:
                               "re-download the model.")
 
 
-def check_safetensors(path: Path) -> None:
-    """Refuse a truncated or corrupt safetensors file from its header alone (no tensor is read)."""
+def check_safetensors(path: Path) -> list[str]:
+    """Refuse a truncated or corrupt safetensors file from its header alone (no tensor is read); return the
+    tensor names it holds."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as stream:
@@ -183,6 +190,7 @@ def check_safetensors(path: Path) -> None:
             f"{str(path)!r} is truncated or corrupt: its header needs {expected} bytes, the file has {size}. "
             "Re-save or re-download the model."
         )
+    return [key for key in header if key != "__metadata__"]
 
 
 def _hub_config(repo_id: str, flag: str) -> dict[str, Any]:
@@ -248,9 +256,13 @@ def load_model(source: ModelSource, task: str = "saved", merge: bool = False) ->
         return _merge(model, source) if merge else model
     import hf_posswap  # noqa: F401  (registers hf_posswap checkpoints with the Auto classes)
 
+    from .restore import check_loaded
+
     auto = _auto_class(source, task)
     try:
-        return auto.from_pretrained(source.path)
+        model = auto.from_pretrained(source.path)
+        check_loaded(model)  # a swap record loaded as the plain family: its position weights were dropped
+        return model
     except PosSwapError:
         raise
     except (OSError, ValueError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as error:

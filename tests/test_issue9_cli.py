@@ -48,6 +48,12 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ps_model_dir = root / "swapped"
     main(["swap", "--model", str(root / "llama"), "--scheme", "alibi", "--output", str(ps_model_dir)])
     _adapter(root)
+    main(["swap", "--model", str(root / "llama"), "--scheme", "t5", "--output", str(root / "t5")])
+    shutil.copytree(root / "t5", root / "disguised")  # model_type edited back to llama, record removed
+    config = json.loads((root / "t5" / "config.json").read_text())
+    config["model_type"] = "llama"
+    config.pop("posswap")
+    (root / "disguised" / "config.json").write_text(json.dumps(config))
     (root / "notes.txt").write_text("notes")
     (root / "empty.txt").write_text("")
     (root / "binary.bin").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00")
@@ -188,6 +194,11 @@ def _run(argv: list[str], ws: Path, capsys) -> tuple[int, str, str]:
     code = main([a.replace("{ws}", str(ws)) for a in argv])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+BEFORE_LOADING.append(  # issue 9.4: the position weights would be dropped silently by a plain-type load
+    ("eval-position-weights-under-a-plain-model-type", E + ["{ws}/disguised"],
+     "holds hf_posswap position weights ['model.posswap_positions.tables.0.weight']"))
 
 
 @pytest.mark.parametrize(("argv", "needle"), [c[1:] for c in BEFORE_LOADING], ids=[c[0] for c in BEFORE_LOADING])
