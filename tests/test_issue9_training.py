@@ -342,13 +342,17 @@ def test_a_missing_or_adapter_model_is_one_line(workspace, tmp_path, capsys) -> 
 
 @pytest.mark.parametrize(("entry", "flags", "named"), [
     (["-m", "hf_posswap.finetune"], ["--lr", "nan"], "lr must be a finite number in (0, 1], got nan"),
-    (["-m", "hf_posswap", "finetune"], ["--output", "/etc/hostname"], "--output '/etc/hostname' is a file"),
+    (["-m", "hf_posswap", "finetune"], ["--output", "{file}"], "--output '{file}' is a file"),
     pytest.param(["-m", "hf_posswap.finetune"], ["--steps", "abc"], "argument --steps: invalid int value: 'abc'",
                  marks=pytest.mark.slow),
     pytest.param(["-m", "hf_posswap", "finetune"], ["--lr-schedule", "warmup_stable_decay"],
                  "lr_schedule 'warmup_stable_decay' is not supported", marks=pytest.mark.slow),
 ])
 def test_both_entry_points_print_one_line_and_fail(workspace, tmp_path, entry, flags, named) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    flags = [flag.replace("{file}", str(a_file)) for flag in flags]
+    named = named.replace("{file}", str(a_file))
     command = [sys.executable, *entry, *argv(workspace, tmp_path / "out"), *flags]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV)
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]

@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import PosSwapError
 from .config import RESUME_SAFE, RUN_CONTROL, FinetuneConfig
 from .guards import previous_run_files
-from .state import CheckpointError, checkpoints_newest_first, has_checkpoint_dirs, write_text_atomic
+from .state import TrainingCheckpointError, checkpoints_newest_first, has_checkpoint_dirs, write_text_atomic
 
 CONFIG_FILE = "finetune_config.json"
 LOSS_LOG = "loss_log.jsonl"
@@ -124,12 +124,16 @@ def plan_resume(config: FinetuneConfig, output: Path, accelerator) -> dict[str, 
     changes = check_changes(output, config)
     valid, rejected = checkpoints_newest_first(output)
     if not valid and has_checkpoint_dirs(output):
-        raise CheckpointError(f"--resume found no usable checkpoint in {output}: {' '.join(rejected)} Start a new run "
-                              "with --overwrite-output-dir.")
+        raise TrainingCheckpointError(
+            f"--resume found no usable checkpoint in {output}: {' '.join(rejected)} Start a new run with "
+            "--overwrite-output-dir."
+        )
     finished = [name for name in ("final", "adapter") if (output / name).exists()]
     if not valid and finished:
-        raise CheckpointError(f"--resume: the run in {output} has {finished[0]}/ but no checkpoint to continue from; "
-                              "start a new run with --overwrite-output-dir (or in another --output).")
+        raise TrainingCheckpointError(
+            f"--resume: the run in {output} has {finished[0]}/ but no checkpoint to continue from; start a new run "
+            "with --overwrite-output-dir (or in another --output)."
+        )
     if not valid:
         say(f"--resume: the run in {output} stopped before its first checkpoint; starting at step 0.", accelerator)
     return {"candidates": valid, "rejected": rejected, "changes": changes}
@@ -150,8 +154,9 @@ def load_checkpoint(accelerator, resume: dict[str, Any], config: FinetuneConfig)
         say(f"Resumed from {path} at step {state['step']}.", accelerator)
         return path, dict(state)
     if passed_over:
-        raise CheckpointError(f"--resume: no checkpoint loads: {' '.join(passed_over)} Start a new run with "
-                              "--overwrite-output-dir.")
+        raise TrainingCheckpointError(
+            f"--resume: no checkpoint loads: {' '.join(passed_over)} Start a new run with --overwrite-output-dir."
+        )
     return None, {"step": 0, "epoch": 0, "batches_in_epoch": 0}
 
 

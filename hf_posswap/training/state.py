@@ -30,7 +30,7 @@ REQUIRED_FILES = ("optimizer.bin", "scheduler.bin", "random_states_0.pkl")
 MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
-class CheckpointError(PosSwapError, ValueError):
+class TrainingCheckpointError(PosSwapError, ValueError):
     """A checkpoint of a run that cannot be resumed (missing or corrupt files)."""
 
 
@@ -70,20 +70,20 @@ def latest_checkpoint(output: Path) -> Path | None:
 
 
 def read_trainer_state(checkpoint: Path) -> dict[str, int]:
-    """``trainer_state.json`` of ``checkpoint``, checked; a missing or corrupt file raises :class:`CheckpointError`
-    naming it."""
+    """``trainer_state.json`` of ``checkpoint``, checked; a missing or corrupt file raises
+    :class:`TrainingCheckpointError` naming it."""
     path = checkpoint / STATE_FILE
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing, so {checkpoint.name} cannot be resumed.") from None
+        raise TrainingCheckpointError(f"{path} is missing, so {checkpoint.name} cannot be resumed.") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path} is corrupt ({_one_line(error)}); it cannot be resumed.") from None
+        raise TrainingCheckpointError(f"{path} is corrupt ({_one_line(error)}); it cannot be resumed.") from None
     keys = ("step", "epoch", "batches_in_epoch")
     if not isinstance(state, dict) or not all(_count(state.get(key)) for key in keys):
-        raise CheckpointError(f"{path} is corrupt: it must hold non-negative integers {', '.join(keys)}.")
+        raise TrainingCheckpointError(f"{path} is corrupt: it must hold non-negative integers {', '.join(keys)}.")
     if _step_number(checkpoint) is not None and state["step"] != _step_number(checkpoint):
-        raise CheckpointError(f"{path} says step {state['step']} but sits in {checkpoint.name}; it is corrupt.")
+        raise TrainingCheckpointError(f"{path} says step {state['step']} but sits in {checkpoint.name}; it is corrupt.")
     return {key: state[key] for key in keys}
 
 
@@ -96,7 +96,7 @@ def checkpoints_newest_first(output: Path) -> tuple[list[tuple[Path, dict[str, i
         try:
             state = read_trainer_state(path)
             _check_files(path)
-        except CheckpointError as error:
+        except TrainingCheckpointError as error:
             rejected.append(str(error))
             continue
         valid.append((path, state))
@@ -112,7 +112,7 @@ def _check_files(checkpoint: Path) -> None:
     if not any(_non_empty(checkpoint / name) for name in MODEL_FILES):
         missing.append(MODEL_FILES[0])
     if missing:
-        raise CheckpointError(f"{checkpoint} lacks {', '.join(missing)}; it cannot be resumed.")
+        raise TrainingCheckpointError(f"{checkpoint} lacks {', '.join(missing)}; it cannot be resumed.")
 
 
 def _step_dirs(output: Path) -> list[Path]:
