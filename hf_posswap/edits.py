@@ -110,39 +110,53 @@ class WrapForward(Edit):
     """Replace ``module.forward`` on the instance by ``make(previous)``, where ``previous`` is the instance-level
     forward another library installed (or ``None``: the class's own). On revert, the previous forward comes back;
     if something wrapped ours in the meantime (accelerate's hooks), ours is switched to pass-through instead, so
-    the outer wrapper keeps working."""
+    the outer wrapper keeps working. Under an accelerate hook the forward it wraps is replaced (see
+    :func:`_forward_slot`)."""
 
     def __init__(self, module: nn.Module, make: Callable[[Callable[..., Any] | None], Any], where: str) -> None:
         self.module, self._make, self.where = module, make, where
         self._wrapper: Any = None  # the installed wrapper while applied
         self._built: Any = None  # the wrapper object, reused when re-applied after a revert
         self._previous: Any = _MISSING
+        self._slot = "forward"  # the attribute apply replaced: forward, or accelerate's _old_forward
 
     @property
     def wrapper(self) -> Any:
         return self._wrapper
 
     def apply(self) -> None:
-        self._previous = self.module.__dict__.get("forward", _MISSING)
+        self._slot = slot = _forward_slot(self.module)
+        self._previous = self.module.__dict__.get(slot, _MISSING)
         previous = None if self._previous is _MISSING else self._previous
         if self._built is None:
             self._built = self._make(previous)
             self._make = None  # built once; dropping the closure keeps the model picklable (torch.save(model))
         self._built.previous, self._built.active = previous, True
         self._wrapper = self._built
-        self.module.forward = self._wrapper
+        setattr(self.module, slot, self._wrapper)
 
     def revert(self) -> None:
         if self._wrapper is None:
             return
-        if self.module.__dict__.get("forward") is self._wrapper:
-            if self._previous is _MISSING:
-                del self.module.forward
-            else:
-                self.module.forward = self._previous
-        else:
+        # where apply put it, or `forward` once accelerate's hook was removed (it moved `_old_forward` there)
+        slots = (getattr(self, "_slot", "forward"), "forward")  # getattr: models pickled before `_slot` existed
+        slot = next((s for s in slots if self.module.__dict__.get(s) is self._wrapper), None)
+        if slot is None:
             self._wrapper.active = False
+        elif self._previous is _MISSING:
+            delattr(self.module, slot)
+        else:
+            setattr(self.module, slot, self._previous)
         self._wrapper = None
+
+
+def _forward_slot(module: nn.Module) -> str:
+    """Where the instance's forward lives. Under an accelerate hook, ``module.forward`` is accelerate's wrapper and
+    the real one is ``module._old_forward``, which ``remove_hook_from_module`` puts back as ``forward``: wrapping
+    that one keeps the swap when the hook is removed (wrapping accelerate's would silently drop the positions)."""
+    if "_old_forward" in module.__dict__ and getattr(module, "_hf_hook", None) is not None:
+        return "_old_forward"
+    return "forward"
 
 
 def _follow_owner(old: Any, owner: Any) -> Any:

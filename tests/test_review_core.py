@@ -1,0 +1,53 @@
+"""Hostile review of issue 9 items 1-4 and 12-13 (call paths, Self-Extend, checkpointing, reloaded models):
+faults found from the outside, each pinned by a test that failed before its fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, make_model, scheme_config, swapped
+
+import hf_posswap as ps
+
+
+def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+# ---- item 1: the forward wrapper under accelerate's hooks -------------------------------------------------------
+
+@pytest.mark.parametrize(("family", "scheme"), [("llama", "alibi"), ("llama", "sinusoidal"), ("gpt2", "t5")])
+def test_removing_an_accelerate_hook_added_before_the_swap_keeps_the_scheme(family: str, scheme: str) -> None:
+    """accelerate's remove_hook_from_module puts back the forward it saved when hooking: the swap must survive it
+    (it used to run the model with no positions at all, native or swapped, without a word)."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    model, expected = make_model(family), swapped(family, scheme)
+    input_ids = tokens(2, 16)
+    add_hook_to_module(model.base_model, ModelHook())
+    ps.swap(model, scheme_config(scheme))
+    model.load_state_dict(expected.state_dict())  # the same (randomised) position weights
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=input_ids).logits, expected(input_ids=input_ids).logits)
+        remove_hook_from_module(model.base_model)
+        torch.testing.assert_close(model(input_ids=input_ids).logits, expected(input_ids=input_ids).logits)
+    ps.unswap(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=input_ids).logits, make_model(family)(input_ids=input_ids).logits)
+
+
+def test_unswap_under_an_accelerate_hook_then_removing_it_gives_the_native_model() -> None:
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    model = make_model("llama")
+    add_hook_to_module(model.model, ModelHook())
+    ps.swap(model, "alibi")
+    ps.swap(model, "t5", replace=True)
+    ps.unswap(model)
+    input_ids = tokens(2, 16)
+    native = make_model("llama")(input_ids=input_ids).logits.detach()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=input_ids).logits, native)
+        remove_hook_from_module(model.model)
+        torch.testing.assert_close(model(input_ids=input_ids).logits, native)
