@@ -127,13 +127,26 @@ def unswap(model: nn.Module) -> nn.Module:
     check_loaded(model)
     state: SwapState | None = getattr(model, STATE_ATTR, None)
     if state is None:
-        raise NotSwappedError(
-            f"{type(model).__name__} was not swapped by hf_posswap, so there is nothing to undo. "
-            "hf_posswap.describe(model) shows what a model carries."
-        )
+        raise NotSwappedError(_not_swapped_message(model))
     revert_all(state.edits)
     delattr(model, STATE_ATTR)
     return wrapper
+
+
+def _not_swapped_message(model: nn.Module) -> str:
+    """Why ``unswap`` has nothing to undo; a checkpoint saved after a native swap says what it carries."""
+    record = getattr(model.config, CONFIG_RECORD, None)
+    if isinstance(record, dict) and record.get("scheme"):
+        return (
+            f"{type(model).__name__} was loaded from a checkpoint that hf_posswap had swapped to '{record['scheme']}' "
+            "in transformers' own format (config.rope_parameters), which does not keep the original position "
+            "settings, so there is nothing to undo here. Load the original checkpoint for the native model, or "
+            "hf_posswap.swap(model, ...) to install another scheme."
+        )
+    return (
+        f"{type(model).__name__} was not swapped by hf_posswap, so there is nothing to undo. "
+        "hf_posswap.describe(model) shows what a model carries."
+    )
 
 
 def swap_state(model: nn.Module) -> SwapState | None:

@@ -51,3 +51,21 @@ def test_unswap_under_an_accelerate_hook_then_removing_it_gives_the_native_model
         torch.testing.assert_close(model(input_ids=input_ids).logits, native)
         remove_hook_from_module(model.model)
         torch.testing.assert_close(model(input_ids=input_ids).logits, native)
+
+
+# ---- item 12: reloaded models ----------------------------------------------------------------------------------
+
+def test_unswap_of_a_reloaded_native_rope_swap_says_why_it_cannot(tmp_path) -> None:
+    """A LLaMA swapped to another RoPE saves in transformers' own format and reloads as a plain LlamaForCausalLM:
+    unswap cannot restore the original base, and must not claim the model 'was not swapped by hf_posswap'."""
+    from transformers import AutoModelForCausalLM
+
+    model = make_model("llama")
+    ps.swap(model, "rope", rope_theta=50_000.0)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ps.NotSwappedError, match=r"checkpoint that hf_posswap had swapped to 'rope'.*original "
+                       r"position settings.*Load the original checkpoint"):
+        ps.unswap(reloaded)
+    with pytest.raises(ps.NotSwappedError, match="was not swapped by hf_posswap"):
+        ps.unswap(make_model("llama"))
