@@ -53,6 +53,9 @@ class PositionContext:
 
     #: explicit per-row positions [B, q] (position ids passed without cache or padding, e.g. PoSE training)
     row_positions: torch.Tensor | None = None
+    #: per-row positions [B, kv] of a padded batch, from its 2D attention mask (set for Self-Extend only: its
+    #: grouping floor(pos / G) depends on absolute positions, so a left-padded row must not count its padding)
+    padded_positions: torch.Tensor | None = None
 
     def query_key_positions(self, q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """query positions [q] and key positions [kv] (or both [B, q] when explicit row positions are set).
@@ -81,6 +84,13 @@ def _explicit_positions(kwargs: dict[str, Any], query_offset: int) -> torch.Tens
     reference = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     batch = reference.shape[0] if reference is not None else position_ids.shape[0]
     return position_ids.expand(batch, -1)
+
+
+def _padded_positions(mask: Any) -> torch.Tensor | None:
+    """Positions [B, T] that skip padding (0 on pads), from a 2D attention mask with padding; else None."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool(mask.all()):
+        return None
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def _check_position_ids(kwargs: dict[str, Any]) -> None:
@@ -148,6 +158,8 @@ class PositionHook:
                 self.self_extend,
             )
             context.row_positions = _explicit_positions(kwargs, query_offset)
+            if self.self_extend is not None:
+                context.padded_positions = _padded_positions(kwargs.get("attention_mask"))
             kwargs[CONTEXT_KWARG] = context
         return (), kwargs
 

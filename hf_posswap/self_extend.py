@@ -42,7 +42,7 @@ def self_extend_attention(
     """
     group, window, original = context.self_extend  # type: ignore[misc]
     rotary = context.positions
-    query_pos, key_pos = context.query_key_positions(query.shape[2], key.shape[2], query.device)
+    query_pos, key_pos = _positions(context, query.shape[2], key.shape[2], query.device)
     query_rows = query_pos if query_pos.dim() == 2 else query_pos[None]  # [1 or B, q]
     key_rows = key_pos if key_pos.dim() == 2 else key_pos[None]  # [1 or B, kv]
     groups = getattr(module, "num_key_value_groups", 1)
@@ -76,3 +76,13 @@ def self_extend_attention(
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # [B, H, q, D] -> [B, q, H, D]
     return output, weights
+
+
+def _positions(context: PositionContext, q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Query and key positions; per row [B, q], [B, kv] in a padded batch whose mask covers exactly the keys (no
+    cache, or a dynamic cache: the queries are the last q_len keys), so a padded row groups as it does alone."""
+    padded = context.padded_positions
+    if padded is not None and padded.shape[-1] == kv_len >= q_len:
+        padded = padded.to(device)
+        return padded[:, kv_len - q_len :], padded
+    return context.query_key_positions(q_len, kv_len, device)

@@ -69,3 +69,31 @@ def test_unswap_of_a_reloaded_native_rope_swap_says_why_it_cannot(tmp_path) -> N
         ps.unswap(reloaded)
     with pytest.raises(ps.NotSwappedError, match="was not swapped by hf_posswap"):
         ps.unswap(make_model("llama"))
+
+
+# ---- item 2: Self-Extend in padded batches ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_self_extend_left_padded_row_equals_the_row_alone(family: str) -> None:
+    """Self-Extend groups positions as floor(pos / G): a left-padded row must group its own positions, not its
+    padded token indices (it used to differ from the row run alone, in forward and in generate)."""
+    model = make_model(family)
+    if family == "gpt2":
+        ps.swap(model, "rope")
+    ps.extend_context(model, 256, "self_extend", neighbor_window=16)
+    row, pad = tokens(1, 100), 5
+    padded = torch.cat([torch.zeros(1, pad, dtype=torch.long), row], 1)
+    mask = torch.ones_like(padded)
+    mask[:, :pad] = 0
+    with torch.no_grad():
+        alone = model(input_ids=row).logits
+        batched = model(input_ids=padded, attention_mask=mask).logits[:, pad:]
+    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-4)
+    greedy = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True,
+              "output_scores": True}
+    for use_cache in (True, False):
+        out_alone = model.generate(input_ids=row, use_cache=use_cache, **greedy)
+        out_padded = model.generate(input_ids=padded, attention_mask=mask, use_cache=use_cache, **greedy)
+        assert torch.equal(out_padded.sequences[:, pad:], out_alone.sequences)
+        torch.testing.assert_close(torch.stack(out_padded.scores), torch.stack(out_alone.scores), atol=1e-4,
+                                   rtol=1e-4)
