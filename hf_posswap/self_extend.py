@@ -38,7 +38,7 @@ def self_extend_attention(
     grouping is decided per query: a query at position p < original length attends exactly as the unextended
     model does (all its keys are within the trained distances), later queries use grouped distances past the
     window. A query's result then depends only on its own position, so a cached decode equals a full recompute.
-    A bidirectional model groups every pair farther apart than the window once the input exceeds the original.
+    A bidirectional model groups every pair farther apart than the window once the row exceeds the original length.
     """
     group, window, original = context.self_extend  # type: ignore[misc]
     rotary = context.positions
@@ -61,8 +61,9 @@ def self_extend_attention(
     causal = bool(getattr(module, "is_causal", True))
     if causal:
         use_grouped = (distance >= window) & (query_rows >= original)[:, None, :, None]
-    else:
-        use_grouped = distance.abs() >= window
+    else:  # a row no longer than the original (a short row padded in a batch with a long one) is not grouped
+        longer = (key_rows.amax(-1) >= original)[:, None, None, None]  # [1 or B, 1, 1, 1]
+        use_grouped = (distance.abs() >= window) & longer
     scores = torch.where(use_grouped, grouped, neighbour)
     lowest = torch.finfo(scores.dtype).min
     if attention_mask is None:

@@ -97,3 +97,21 @@ def test_self_extend_left_padded_row_equals_the_row_alone(family: str) -> None:
         assert torch.equal(out_padded.sequences[:, pad:], out_alone.sequences)
         torch.testing.assert_close(torch.stack(out_padded.scores), torch.stack(out_alone.scores), atol=1e-4,
                                    rtol=1e-4)
+
+
+def test_self_extend_short_bert_row_batched_with_a_long_one_is_not_grouped() -> None:
+    """Bidirectional Self-Extend: a row within the original length, right-padded next to a longer row, must attend
+    as it does alone (it used to be grouped because the batch, not the row, exceeded the original length)."""
+    model = make_model("bert")
+    ps.swap(model, "rope")
+    ps.extend_context(model, 256, "self_extend", neighbor_window=16)
+    short, long = tokens(1, 40), tokens(1, 100, seed=2)
+    batch = torch.cat([torch.cat([short, torch.zeros(1, 60, dtype=torch.long)], 1), long])
+    mask = torch.ones_like(batch)
+    mask[0, 40:] = 0
+    with torch.no_grad():
+        alone = model(input_ids=short).logits
+        batched = model(input_ids=batch, attention_mask=mask).logits
+        long_alone = model(input_ids=long).logits
+    torch.testing.assert_close(batched[:1, :40], alone, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(batched[1:], long_alone, atol=2e-6, rtol=1e-5)
