@@ -100,7 +100,7 @@ def _export(argv: list[str]) -> int:
     from .loading import inspect_model_path
     from .saving import check_output_dir
 
-    check_output_dir(args.output, args.overwrite)
+    check_output_dir(args.output, args.overwrite, flag="output")
     source = inspect_model_path(args.checkpoint, flag="checkpoint")
     swapped = source.record.get("scheme") if source.record else "posswap" in source.config
     if not swapped:
@@ -227,7 +227,7 @@ def _inspect(argv: list[str]) -> int:
         _check_scheme(args.scheme, {})
     if Path(args.output).exists() and not Path(args.output).is_dir():
         raise InvalidConfigError(f"--output {args.output!r} is a file; give a directory for the PNG files.")
-    check_output_dir(args.output, overwrite=True)  # the pictures replace only their own files
+    check_output_dir(args.output, overwrite=True, checkpoint=False)  # the pictures replace only their own files
     model, _, _ = _load(args.model)
     if args.scheme:
         swap(model, args.scheme, replace=swap_state(model) is not None)

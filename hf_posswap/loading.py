@@ -94,6 +94,7 @@ def inspect_model_path(value: str | os.PathLike[str], flag: str = "--model") -> 
         )
     config = read_json(path / "config.json", flag)
     _check_model_type(config, path / "config.json")
+    _check_config_values(config, path / "config.json")
     keys = _check_weights(path, WEIGHT_FILES, flag, text)
     from .restore import check_checkpoint_keys
 
@@ -129,6 +130,20 @@ def _check_model_type(config: dict[str, Any], path: Path) -> None:
             f"{str(path)!r} has model_type {model_type!r}, which transformers does not know; restore config.json "
             "(e.g. 'gpt2', 'bert', 'llama', or 'hf_posswap_<family>' for a swapped checkpoint)."
         )
+
+
+def _check_config_values(config: dict[str, Any], path: Path) -> None:
+    """Build the config class from ``config`` (no weights): a value of the wrong type or an inconsistent pair
+    (``"hidden_size": "big"``) is refused here, naming the file, instead of as a traceback while loading."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[str(config["model_type"]).removeprefix("hf_posswap_")]
+    try:
+        config_class.from_dict({key: value for key, value in config.items() if key != "model_type"})
+    except (StrictDataclassError, ValueError, TypeError, KeyError) as error:
+        message = " ".join(str(error).split())
+        raise CheckpointError(f"{str(path)!r} holds an invalid value: {message}. Restore config.json.") from error
 
 
 def _check_weights(path: Path, names: tuple[str, ...], flag: str, text: str) -> list[str]:
@@ -245,6 +260,12 @@ def _check_adapter_record(record: dict[str, Any], path: Path) -> None:
             f"{str(path)!r} is malformed: expected {{'scheme': null or {{'scheme': name, ...}}, 'extension': null or "
             f"{{...}}}}, got {record!r}. Restore the file written with the adapter."
         )
+    from .schemes.base import SCHEME_REGISTRY
+
+    name = scheme.get("scheme") if isinstance(scheme, dict) else None
+    if name is not None and name not in SCHEME_REGISTRY.names():
+        raise CheckpointError(f"{str(path)!r} names the unknown scheme {name!r} (known: "
+                              f"{', '.join(SCHEME_REGISTRY.names())}); restore the file written with the adapter.")
 
 
 def load_model(source: ModelSource, task: str = "saved", merge: bool = False) -> nn.Module:
@@ -295,6 +316,14 @@ def _auto_class(source: ModelSource, task: str) -> type:
             continue
         if model_class.__name__.removeprefix("PosSwap") == architecture:
             return auto
+    if architecture:  # loading it as another class would silently drop its head's weights
+        classes = (auto._model_mapping.get(config_class, None) for auto in AUTO_CLASSES)
+        known = sorted({model_class.__name__ for model_class in classes if model_class is not None})
+        raise CheckpointError(
+            f"{source.path!r}: config.json names the architecture {architecture!r}; hf-posswap loads "
+            f"{source.config['model_type']} checkpoints as {', '.join(known)}, and loading it as another class would "
+            "drop weights. Restore 'architectures' in config.json (or set it to one of those)."
+        )
     return AUTO_CLASSES[0]
 
 

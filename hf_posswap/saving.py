@@ -31,6 +31,14 @@ CHECKPOINT_PATTERNS = WEIGHT_PATTERNS + (
 )
 
 
+ADAPTER_CONFIG = "adapter_config.json"
+#: a full checkpoint written over an adapter would delete the adapter's weights and leave a directory that loads
+#: as neither (its adapter_config.json stays)
+_ADAPTER_TARGET = ("{flag} {path!r} holds a LoRA adapter (adapter_config.json); writing a full checkpoint there "
+                   "would delete the adapter's weights and leave a directory that loads as neither. Choose another "
+                   "directory.")
+
+
 class OutputError(PosSwapError, ValueError):
     """An output path that cannot be written as asked (a file where a directory goes, a missing parent, ...)."""
 
@@ -40,9 +48,11 @@ def is_checkpoint_file(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in CHECKPOINT_PATTERNS)
 
 
-def check_output_dir(path: str | os.PathLike[str], overwrite: bool = False, flag: str = "--output") -> Path:
+def check_output_dir(
+    path: str | os.PathLike[str], overwrite: bool = False, flag: str = "--output", checkpoint: bool = True
+) -> Path:
     """Validate a directory to write a checkpoint to, before any work: not a file, an existing writable parent,
-    and empty or absent unless ``overwrite``."""
+    and empty or absent unless ``overwrite``; a full ``checkpoint`` never goes over a LoRA adapter directory."""
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise OutputError(f"{flag} {str(path)!r} is an existing file, not a directory; choose a directory path.")
@@ -61,6 +71,8 @@ def check_output_dir(path: str | os.PathLike[str], overwrite: bool = False, flag
         )
     if target.is_dir() and not os.access(target, os.W_OK | os.X_OK):
         raise OutputError(f"{flag} {str(path)!r} is not writable; choose another directory.")
+    if checkpoint and (target / ADAPTER_CONFIG).exists():
+        raise OutputError(_ADAPTER_TARGET.format(flag=flag, path=str(path)))
     return target
 
 
@@ -103,6 +115,8 @@ def publish(staging: Path, target: Path) -> None:
         os.replace(staging, target)
         return
     names = sorted((p.name for p in staging.iterdir()), key=lambda name: name == "config.json")
+    if (target / ADAPTER_CONFIG).exists() and ADAPTER_CONFIG not in names:  # checked before anything moves
+        raise OutputError(_ADAPTER_TARGET.format(flag="output", path=str(target)))
     blocked = [name for name in names if (target / name).is_dir() and not (target / name).is_symlink()]
     if blocked:  # checked before anything moves
         raise OutputError(f"Cannot overwrite {str(target)!r}: {blocked} exist there as directories. Choose a new or "

@@ -82,7 +82,7 @@ def no_model_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     (["--lr", "nan"], "got nan"),
     (["--lr", "0"], "got 0.0"),
     (["--lr=-1e-4"], "got -0.0001"),
-    (["--distill", "--distill-temperature", "0"], "distill_temperature must be a finite number in (0, inf), got 0.0"),
+    (["--distill", "--distill-temperature", "0"], "distill_temperature must be a finite number in [0.01, 100], got 0.0"),
     (["--mlm-probability", "0"], "mlm_probability must be a finite number in (0, 1], got 0.0"),
     (["--mlm-probability", "1.5"], "got 1.5"),
     (["--lr-schedule", "cosin"], "lr_schedule 'cosin' is not supported; choose one of linear, cosine"),

@@ -142,7 +142,8 @@ class FinetuneConfig:
             ("lora_alpha", 0.0, False, math.inf, False, "e.g. 16"),
             ("lora_dropout", 0.0, True, 1.0, False, "e.g. 0.05"),
             ("distill_weight", 0.0, True, 1.0, True, "e.g. 0.5"),
-            ("distill_temperature", 0.0, False, math.inf, False, "e.g. 1.0 or 2.0"),
+            # outside [0.01, 100] the T^2-scaled KL underflows to 0 (nothing trains) or overflows to NaN
+            ("distill_temperature", 0.01, True, 100.0, True, "e.g. 1.0 or 2.0"),
             ("mlm_probability", 0.0, False, 1.0, True, "e.g. 0.15"),
             ("eval_fraction", 0.0, True, 1.0, False, "e.g. 0.05, or 0 for no held-out data"),
         )

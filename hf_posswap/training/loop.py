@@ -229,9 +229,13 @@ def _load_model(config: FinetuneConfig, objective: str):
     import hf_posswap  # noqa: F401  (registers hf_posswap checkpoints with the Auto classes)
 
     auto = AutoModelForCausalLM if objective == "causal" else AutoModelForMaskedLM
+    # a local path is loaded by its absolute form: a LoRA adapter records it as its base, and a relative one would
+    # load only from this working directory (or load whatever has that name elsewhere)
+    local = Path(config.model).expanduser()
+    source = str(local.resolve()) if local.exists() else config.model
     try:
-        model = auto.from_pretrained(config.model, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(config.model)
+        model = auto.from_pretrained(source, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, RuntimeError) as error:  # a truncated or foreign checkpoint: one line naming it
         raise InvalidConfigError(
             f"--model {config.model!r} cannot be loaded ({type(error).__name__}: {' '.join(str(error).split())[:300]});"
