@@ -98,6 +98,7 @@ def staged_directory(target: str | os.PathLike[str], overwrite: bool = False) ->
     check_output_dir(target, overwrite, flag="output")
     target = Path(target).resolve()  # a symlinked target: write into the directory it points to
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=target.parent))
+    staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private (0700); the published directory gets the usual mode
     try:
         yield staging
         publish(staging, target)
@@ -137,9 +138,17 @@ def write_file_atomic(path: str | os.PathLike[str], data: str | bytes) -> Path:
     try:
         with os.fdopen(handle, "wb") as stream:
             stream.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes it private (0600); give it open()'s usual mode
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
     return path
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it, so it is put straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

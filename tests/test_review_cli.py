@@ -187,3 +187,32 @@ def test_distill_temperatures_that_underflow_or_overflow_are_refused(ws, tmp_pat
                           "--distill-temperature", temperature])
     line = one_line(capsys, code, "hf-posswap finetune:")
     assert f"distill_temperature must be a finite number in [0.01, 100], got {float(temperature)!r}" in line
+
+
+def test_scheme_options_without_a_scheme_are_refused_not_ignored(ws, tmp_path, capsys, monkeypatch) -> None:
+    """Before: the options were dropped and 100 steps of plain training reported success."""
+    import hf_posswap.training.loop as loop
+
+    monkeypatch.setattr(loop, "_load_model", lambda *a, **k: pytest.fail("loaded before refusing"))
+    code = finetune_main(["--model", str(ws / "gpt2"), "--data", str(ws / "corpus" / "*.txt"), "--output",
+                          str(tmp_path / "run"), "--scheme-option", "num_buckets=64"])
+    line = one_line(capsys, code, "hf-posswap finetune:")
+    assert "{'num_buckets': 64}" in line and "--scheme" in line
+
+
+# --- written files and directories get the usual permissions, not the private ones of tempfile ------------------
+
+
+def test_written_checkpoints_and_results_get_the_usual_permissions(ws, tmp_path, capsys) -> None:
+    import os
+    import stat
+
+    mask = os.umask(0o022)
+    try:
+        assert main(["swap", "--model", str(ws / "llama"), "--scheme", "alibi", "--output", str(tmp_path / "out")]) == 0
+        assert main(["eval", "--model", str(tmp_path / "out"), "--lengths", "16", "--max-windows", "1",
+                     "--output", str(tmp_path / "results.json")]) == 0
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755  # readable by the group, as save_pretrained
+    assert stat.S_IMODE((tmp_path / "results.json").stat().st_mode) == 0o644

@@ -127,6 +127,11 @@ class FinetuneConfig:
             raise InvalidConfigError(
                 f"extend_method={self.extend_method!r} needs extend_to (the new context length): pass --extend-to N."
             )
+        if self.scheme_options and self.scheme is None:
+            raise InvalidConfigError(
+                f"scheme_options {self.scheme_options} need a scheme to apply to (they would be ignored): pass "
+                "--scheme NAME with --scheme-option."
+            )
         if self.merge_lora and not self.lora:
             raise InvalidConfigError("merge_lora needs lora=True.")
         if self.resume and self.overwrite_output_dir:
