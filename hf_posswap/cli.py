@@ -131,7 +131,8 @@ def _eval(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from .evaluation import evaluate
     from .evaluation.checks import check_results_output, check_settings
-    from .loading import inspect_model_path, load_model, load_tokenizer, read_text_files
+    from .loading import inspect_model_path, load_model, load_tokenizer
+    from .user_files import read_text_files
 
     check_settings(args.lengths, args.mode, args.stride, args.tail_from, args.max_windows, args.passkey_lengths,
                    args.depths, args.trials)

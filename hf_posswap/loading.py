@@ -1,8 +1,9 @@
 """Checked loading of a user-given model path, for every CLI command.
 
 ``inspect_model_path(path)`` reads only small files (``config.json``, ``adapter_config.json``, the
-``posswap_adapter.json`` record, safetensors headers) and refuses a missing, corrupt or truncated checkpoint with one
-message naming the file and the fix, before any weights load. ``load_model(source)`` then loads it:
+``posswap_adapter.json`` record, safetensors headers; see :mod:`hf_posswap.user_files`) and refuses a missing,
+corrupt or truncated checkpoint with one message naming the file and the fix, before any weights load.
+``load_model(source)`` then loads it:
 
 - a checkpoint directory (plain or hf_posswap) through the Auto class of its saved architecture;
 - a LoRA adapter directory (``adapter_config.json``, as ``hf-posswap finetune --lora`` writes it): the base from
@@ -24,6 +25,7 @@ from typing import Any
 from torch import nn
 
 from .errors import PosSwapError
+from .user_files import check_safetensors, check_torch_file, read_json
 
 ADAPTER_CONFIG = "adapter_config.json"
 WEIGHT_FILES = (
@@ -32,7 +34,6 @@ WEIGHT_FILES = (
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?$")
-_MAX_HEADER = 100 * 2**20
 
 
 class CheckpointError(PosSwapError, ValueError):
@@ -102,24 +103,6 @@ def inspect_model_path(value: str | os.PathLike[str], flag: str = "--model") -> 
     return ModelSource(text, "checkpoint", config)
 
 
-def read_json(path: Path, flag: str = "--model") -> dict[str, Any]:
-    """A JSON object from ``path``; any problem becomes one :class:`CheckpointError` naming the file."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as error:
-        raise CheckpointError(f"{flag}: cannot read {str(path)!r}: {error.strerror or error}.") from error
-    except UnicodeDecodeError as error:
-        raise CheckpointError(f"{flag}: {str(path)!r} is not UTF-8 text (byte {error.start}); restore it.") from error
-    except json.JSONDecodeError as error:
-        raise CheckpointError(
-            f"{flag}: {str(path)!r} is not valid JSON ({error.msg} at line {error.lineno} column {error.colno}); "
-            "restore the file or re-save the checkpoint."
-        ) from error
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{flag}: {str(path)!r} must hold a JSON object, got {type(data).__name__}.")
-    return data
-
-
 def _check_model_type(config: dict[str, Any], path: Path) -> None:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -168,44 +151,6 @@ def _check_weights(path: Path, names: tuple[str, ...], flag: str, text: str) -> 
         return check_safetensors(path / name)
     check_torch_file(path / name)
     return []
-
-
-def check_torch_file(path: Path) -> None:
-    """Refuse a ``.bin`` weights file that is neither torch.save's zip format nor a legacy pickle."""
-    try:
-        with open(path, "rb") as stream:
-            head = stream.read(4)
-    except OSError as error:
-        raise CheckpointError(f"Cannot read {str(path)!r}: {error.strerror or error}.") from error
-    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
-        raise CheckpointError(f"{str(path)!r} is not a PyTorch weights file (empty or corrupt); re-save or "
-                              "re-download the model.")
-
-
-def check_safetensors(path: Path) -> list[str]:
-    """Refuse a truncated or corrupt safetensors file from its header alone (no tensor is read); return the
-    tensor names it holds."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as stream:
-            head = stream.read(8)
-            length = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if not 0 < length <= min(size - 8, _MAX_HEADER):
-                raise ValueError("header length out of range")
-            header = json.loads(stream.read(length))
-        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
-        raise CheckpointError(
-            f"{str(path)!r} is not a valid safetensors file ({error}); it is corrupt or truncated: re-save or "
-            "re-download the model."
-        ) from error
-    expected = 8 + length + max(ends, default=0)
-    if size != expected:
-        raise CheckpointError(
-            f"{str(path)!r} is truncated or corrupt: its header needs {expected} bytes, the file has {size}. "
-            "Re-save or re-download the model."
-        )
-    return [key for key in header if key != "__metadata__"]
 
 
 def _hub_config(repo_id: str, flag: str) -> dict[str, Any]:
@@ -382,32 +327,3 @@ def load_tokenizer(source: ModelSource, required: bool = False):
             "model it came from into it (tokenizer.save_pretrained(dir))."
         )
     return None
-
-
-def read_text_files(paths: list[str], flag: str = "--text") -> str:
-    """The UTF-8 text of ``paths`` joined by blank lines; a missing, unreadable, binary or empty file is refused
-    with its name."""
-    parts = []
-    for name in paths:
-        path = Path(name)
-        if path.is_dir():
-            raise CheckpointError(f"{flag} {name!r} is a directory; pass text files.")
-        if path.exists() and not path.is_file():  # /dev/zero, a FIFO: reading could never end
-            raise CheckpointError(f"{flag} {name!r} is not a regular file; pass text files.")
-        try:
-            data = path.read_bytes()
-        except OSError as error:
-            raise CheckpointError(f"{flag} {name!r}: cannot read it ({error.strerror or error}).") from error
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise CheckpointError(
-                f"{flag} {name!r} is not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}); "
-                "convert it (iconv -t UTF-8) or pass a text file."
-            ) from error
-        if "\x00" in text:
-            raise CheckpointError(f"{flag} {name!r} holds NUL bytes: a binary file, not text; pass a text file.")
-        if not text.strip():
-            raise CheckpointError(f"{flag} {name!r} is empty; pass a file with text in it.")
-        parts.append(text)
-    return "\n\n".join(parts)

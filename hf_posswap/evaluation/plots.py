@@ -181,7 +181,7 @@ def load_runs(paths: Sequence[str], mode: str | None = None, passkey: bool = Fal
     """``label=results.json`` (or just the path) -> {label: results}. A missing or malformed file, or (with
     ``mode``) a run without perplexity rows of that mode, is refused with its name."""
     from ..errors import InvalidConfigError
-    from ..loading import read_json
+    from ..user_files import read_json
 
     runs = {}
     for item in paths:
