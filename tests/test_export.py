@@ -22,7 +22,10 @@ LOADER = textwrap.dedent("""
     model = getattr(transformers, sys.argv[3]).from_pretrained(sys.argv[1], trust_remote_code=True).eval()
     with torch.no_grad():
         logits = model(input_ids=data["input_ids"]).logits
-    print("EQUAL" if torch.equal(logits, data["expected"]) else "DIFFERENT", type(model).__name__)
+    # Another process: BLAS may sum in another order (thread count, buffer alignment), so bit equality is not
+    # promised; a position bug moves logits by 1e-2 and more, far above this bound.
+    gap = (logits - data["expected"]).abs().max().item()
+    print("EQUAL" if gap <= 1e-5 else f"DIFFERENT by {gap}", type(model).__name__)
     """)
 
 

@@ -34,7 +34,8 @@ def test_rope_swap_is_written_into_rope_parameters_and_reloads_in_vanilla_transf
         assert model.config.rope_parameters["rope_theta"] == 2500.0, model.config.rope_parameters
         with torch.no_grad():
             logits = model(input_ids=data["input_ids"]).logits
-        assert torch.equal(logits, data["expected"]), (logits - data["expected"]).abs().max()
+        # another process may sum in another BLAS order: 1e-5, far below what a position change does
+        torch.testing.assert_close(logits, data["expected"], rtol=0, atol=1e-5)
         print("VANILLA_OK")
         """
     )
