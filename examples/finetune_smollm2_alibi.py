@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_posswap as ps
-from hf_posswap.checkpoints import smollm2_dir
+from hf_posswap.persistence.offline_checkpoints import smollm2_dir
 from hf_posswap.training import FinetuneConfig, finetune
 
 

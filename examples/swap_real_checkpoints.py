@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 import hf_posswap as ps
-from hf_posswap.checkpoints import minilm_dir, smollm2_dir
+from hf_posswap.persistence.offline_checkpoints import minilm_dir, smollm2_dir
 
 
 def mean_pooled(model, tokenizer, sentences: list[str]) -> torch.Tensor:

@@ -6,8 +6,10 @@
 >>> print(ps.describe(model))                                # doctest: +SKIP
 """
 
-from . import attention as _attention  # noqa: F401  (registers posswap_eager / posswap_sdpa)
-from .describe import PositionDescription, describe
+from .core import attention as _attention  # noqa: F401  (registers posswap_eager / posswap_sdpa)
+from .core.describe import PositionDescription, describe
+from .core.extend import available_extension_methods, extend_context
+from .core.swap import available_schemes, supported_families, swap, unswap
 from .errors import (
     AlreadySwappedError,
     IncompatibleAttentionError,
@@ -18,10 +20,10 @@ from .errors import (
     UnknownSchemeError,
     UnsupportedFamilyError,
 )
-from .export import export_standalone
-from .extend import available_extension_methods, extend_context
 from .families import FamilyAdapter, register_family
-from .peft_utils import load_adapter, lora_config, save_adapter, trainable_position_modules
+from .persistence.adapters import load_adapter, lora_config, save_adapter, trainable_position_modules
+from .persistence.autoload import register_auto_classes as _register_auto_classes  # noqa: E402
+from .persistence.export import export_standalone
 from .schemes import (
     AlibiConfig,
     LearnedConfig,
@@ -42,11 +44,7 @@ from .schemes.rope_scaling import (
     SelfExtend,
     YarnScaling,
 )
-from .swap import available_schemes, supported_families, swap, unswap
-
-__version__ = "0.1.0"
-
-from .autoload import register_auto_classes as _register_auto_classes  # noqa: E402
+from .version import __version__
 
 _register_auto_classes(supported_families())
 

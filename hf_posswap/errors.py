@@ -47,3 +47,8 @@ def closest_hint(name: str, choices: Iterable[str]) -> str:
     """Return ``" Did you mean 'x'?"`` for the closest choice, or an empty string."""
     matches = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
     return f" Did you mean '{matches[0]}'?" if matches else ""
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (what the command line prints), or its type when it has none."""
+    return " ".join(str(error).split()) or type(error).__name__

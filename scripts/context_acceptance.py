@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_posswap as ps
-from hf_posswap.checkpoints import smollm2_dir
+from hf_posswap.persistence.offline_checkpoints import smollm2_dir
 
 REFERENCE = {"none": 466.0, "yarn": 5.29, "dynamic": 5.62}
 WINDOW, TAIL, TARGET = 16_384, 4_096, 32_768

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hf_posswap.matrix import support_matrix_markdown
+from hf_posswap.cli.matrix import support_matrix_markdown
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- support-matrix:start -->", "<!-- support-matrix:end -->"

@@ -164,7 +164,7 @@ def test_swap_over_an_accelerate_hook_keeps_it() -> None:
         torch.testing.assert_close(model(**inputs).logits, swapped("llama", "alibi")(**inputs).logits)
     assert Counting.calls == 1
     ps.unswap(model)
-    from hf_posswap.context import PositionForward
+    from hf_posswap.core.context import PositionForward
 
     assert not isinstance(vars(model.model)["forward"], PositionForward)  # accelerate's own wrapper is back
     with torch.no_grad():
@@ -326,7 +326,7 @@ def test_sentence_transformers_on_minilm(tmp_path, scheme: str) -> None:
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel, AutoTokenizer, pipeline
 
-    from hf_posswap.checkpoints import minilm_dir
+    from hf_posswap.persistence.offline_checkpoints import minilm_dir
 
     model = AutoModel.from_pretrained(minilm_dir()).eval()
     ps.swap(model, scheme)

@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import hf_posswap as ps
-from hf_posswap.extend import grow_table
+from hf_posswap.core.extend import grow_table
 
 HEAD_DIM = 16
 LONGROPE = {"short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.5 * i for i in range(8)]}
@@ -263,9 +263,9 @@ def test_self_extend_attention_uses_the_papers_grouped_distances() -> None:
     """Each logit equals q rotated by the Self-Extend relative distance, dotted with the unrotated key:
     d = i - j within the window W, else (i // G + W - W // G) - j // G (Jin et al. 2024, Algorithm 1); queries
     before the original length (8 here) keep d = i - j, so a cached decode equals a recompute."""
-    from hf_posswap.context import PositionContext
+    from hf_posswap.core.context import PositionContext
+    from hf_posswap.core.self_extend import self_extend_attention
     from hf_posswap.schemes.rope import apply_rotary
-    from hf_posswap.self_extend import self_extend_attention
 
     group, window, length, head_dim = 3, 4, 20, 8
     rotary = ps.RopeConfig(rope_theta=100.0).build(_spec(head_dim))

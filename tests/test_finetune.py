@@ -17,7 +17,7 @@ from conftest import save_tiny_checkpoint, write_corpus
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import hf_posswap as ps
-from hf_posswap.peft_utils import load_adapter, trainable_position_modules
+from hf_posswap.persistence.adapters import load_adapter, trainable_position_modules
 from hf_posswap.training import FinetuneConfig, finetune
 from hf_posswap.training.losses import pose_position_ids
 from hf_posswap.training.state import latest_checkpoint

@@ -21,8 +21,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import hf_posswap as ps
-from hf_posswap.restore import NativeWeightsMissingWarning, check_checkpoint_keys, check_loaded
-from hf_posswap.swap import swap_state
+from hf_posswap.core.native import check_loaded
+from hf_posswap.core.state import swap_state
+from hf_posswap.persistence.restore import NativeWeightsMissingWarning, check_checkpoint_keys
 
 AUTO = {"gpt2": AutoModelForCausalLM, "llama": AutoModelForCausalLM, "bert": AutoModelForMaskedLM}
 INPUT = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))

@@ -15,7 +15,7 @@ import torch
 from conftest import save_tiny_checkpoint, write_corpus
 
 import hf_posswap as ps
-import hf_posswap.loading
+import hf_posswap.persistence.loading
 from hf_posswap.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,7 +206,7 @@ def test_bad_input_is_one_line_before_loading(ws, capsys, monkeypatch, argv, nee
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad input was refused")
 
-    monkeypatch.setattr(hf_posswap.loading, "load_model", no_loading)
+    monkeypatch.setattr(hf_posswap.persistence.loading, "load_model", no_loading)
     from transformers import PreTrainedModel
 
     monkeypatch.setattr(PreTrainedModel, "from_pretrained", no_loading)

@@ -14,7 +14,7 @@ from test_evaluation import TOKENS, UniformModel
 import hf_posswap as ps
 from hf_posswap.evaluation import evaluate, passkey_accuracy, passkey_prompt, perplexity
 from hf_posswap.evaluation.plots import load_runs
-from hf_posswap.saving import OutputError
+from hf_posswap.persistence.saving import OutputError
 
 
 class CountingModel(UniformModel):

@@ -16,7 +16,7 @@ from conftest import save_tiny_checkpoint, write_corpus
 from safetensors.torch import load_file
 
 import hf_posswap as ps
-from hf_posswap.finetune import main
+from hf_posswap.cli.finetune import main
 from hf_posswap.training import FinetuneConfig, finetune
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -342,9 +342,9 @@ def test_a_missing_or_adapter_model_is_one_line(workspace, tmp_path, capsys) -> 
 
 
 @pytest.mark.parametrize(("entry", "flags", "named"), [
-    (["-m", "hf_posswap.finetune"], ["--lr", "nan"], "lr must be a finite number in (0, 1], got nan"),
+    (["-m", "hf_posswap.cli.finetune"], ["--lr", "nan"], "lr must be a finite number in (0, 1], got nan"),
     (["-m", "hf_posswap", "finetune"], ["--output", "{file}"], "--output '{file}' is a file"),
-    pytest.param(["-m", "hf_posswap.finetune"], ["--steps", "abc"], "argument --steps: invalid int value: 'abc'",
+    pytest.param(["-m", "hf_posswap.cli.finetune"], ["--steps", "abc"], "argument --steps: invalid int value: 'abc'",
                  marks=pytest.mark.slow),
     pytest.param(["-m", "hf_posswap", "finetune"], ["--lr-schedule", "warmup_stable_decay"],
                  "lr_schedule 'warmup_stable_decay' is not supported", marks=pytest.mark.slow),

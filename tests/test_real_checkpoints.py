@@ -10,7 +10,7 @@ import hf_posswap as ps
 
 pytestmark = pytest.mark.slow
 
-checkpoints = pytest.importorskip("hf_posswap.checkpoints")
+checkpoints = pytest.importorskip("hf_posswap.persistence.offline_checkpoints")
 
 
 @pytest.fixture(scope="module")

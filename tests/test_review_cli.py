@@ -13,8 +13,8 @@ from conftest import save_tiny_checkpoint, write_corpus
 
 import hf_posswap as ps
 from hf_posswap.cli import main
-from hf_posswap.finetune import main as finetune_main
-from hf_posswap.loading import inspect_model_path
+from hf_posswap.cli.finetune import main as finetune_main
+from hf_posswap.persistence.loading import inspect_model_path
 
 
 def _adapter(root: Path) -> Path:
@@ -111,9 +111,10 @@ def test_overwrite_refuses_to_write_a_checkpoint_over_an_adapter(ws, tmp_path, c
     adapter = tmp_path / "adapter"
     shutil.copytree(ws / "adapter", adapter)
     before = tree(adapter)
-    import hf_posswap.loading
+    import hf_posswap.persistence.loading
 
-    monkeypatch.setattr(hf_posswap.loading, "load_model", lambda *a, **k: pytest.fail("loaded before refusing"))
+    monkeypatch.setattr(hf_posswap.persistence.loading, "load_model",
+                        lambda *a, **k: pytest.fail("loaded before refusing"))
     line = one_line(capsys, main([a.format(a=adapter) for a in command]))
     assert "LoRA adapter" in line and str(adapter) in line
     assert tree(adapter) == before
@@ -123,7 +124,7 @@ def test_overwrite_refuses_to_write_a_checkpoint_over_an_adapter(ws, tmp_path, c
 def test_the_api_refuses_to_publish_a_checkpoint_over_an_adapter(ws, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from hf_posswap.saving import OutputError, publish
+    from hf_posswap.persistence.saving import OutputError, publish
 
     adapter = tmp_path / "adapter"
     shutil.copytree(ws / "adapter", adapter)

@@ -81,7 +81,7 @@ def evaluate(
         for depth in depths:
             results["passkey"].append(dataclasses.asdict(passkey_accuracy(model, tokenizer, length, depth, trials)))
     if output is not None:
-        from ..saving import write_file_atomic
+        from ..persistence.saving import write_file_atomic
 
         write_file_atomic(output, json.dumps(results, indent=2))
     return results

@@ -128,7 +128,7 @@ def check_lengths_fit(model: nn.Module, longest: int) -> None:
 def check_results_output(path: str | os.PathLike[str], flag: str = "--output") -> None:
     """Where results JSON goes: a writable place, and never over an existing file that is not earlier results
     (``--output model/config.json`` would otherwise destroy a checkpoint)."""
-    from ..saving import check_output_file
+    from ..persistence.saving import check_output_file
 
     target = check_output_file(path, flag=flag)
     if not target.exists():

@@ -71,8 +71,8 @@ def plot_passkey(results: dict[str, Any], path: str | os.PathLike[str], title: s
 def position_pictures(model: nn.Module, directory: str | os.PathLike[str], length: int = 256) -> list[Path]:
     """What the model's position scheme looks like: cosine distance between absolute position vectors; RoPE's
     q.k against distance; ALiBi / T5 bias per head. Returns the PNG paths."""
+    from ..core.state import swap_state
     from ..families.base import get_family
-    from ..swap import swap_state
 
     adapter = get_family(model)
     base = adapter.base_model(model)
@@ -154,7 +154,7 @@ def _save(figure, path: str | os.PathLike[str]) -> Path:
     figure.tight_layout()
     import io
 
-    from ..saving import write_file_atomic
+    from ..persistence.saving import write_file_atomic
 
     buffer = io.BytesIO()
     figure.savefig(buffer, dpi=110, format=check_picture_path(path))
@@ -181,7 +181,7 @@ def load_runs(paths: Sequence[str], mode: str | None = None, passkey: bool = Fal
     """``label=results.json`` (or just the path) -> {label: results}. A missing or malformed file, or (with
     ``mode``) a run without perplexity rows of that mode, is refused with its name."""
     from ..errors import InvalidConfigError
-    from ..user_files import read_json
+    from ..persistence.user_files import read_json
 
     runs = {}
     for item in paths:

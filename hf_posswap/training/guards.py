@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidConfigError, PosSwapError, closest_hint
+from ..errors import InvalidConfigError, PosSwapError, closest_hint, one_line
 from .config import FinetuneConfig
 
 #: what a run writes into its output directory (``--overwrite-output-dir`` removes these and nothing else)
@@ -40,7 +40,7 @@ def check_model_path(model: str) -> None:
     """``model`` is a complete checkpoint (``hf_posswap.loading.inspect_model_path`` reads its small files: a
     missing path, a corrupt config or a truncated safetensors file is one line naming it); an adapter directory is
     refused, since training starts from full weights."""
-    from ..loading import inspect_model_path
+    from ..persistence.loading import inspect_model_path
 
     if inspect_model_path(model).kind == "adapter":
         raise InvalidConfigError(
@@ -51,8 +51,8 @@ def check_model_path(model: str) -> None:
 
 def check_positions(config: FinetuneConfig) -> None:
     """The scheme name and options and the extension method are valid before any model is loaded."""
-    from ..extend import available_extension_methods
-    from ..swap import resolve_scheme
+    from ..core.extend import available_extension_methods
+    from ..core.swap import resolve_scheme
 
     if config.scheme is not None:
         resolve_scheme(config.scheme, dict(config.scheme_options))  # unknown names and bad options raise here
@@ -68,13 +68,11 @@ def resolve_objective(config: FinetuneConfig) -> str:
     """``causal`` or ``mlm`` from the model's config alone; impossible pairs are refused before loading weights."""
     from transformers import AutoConfig
 
-    import hf_posswap  # noqa: F401  (registers hf_posswap checkpoints with the Auto classes)
-
     try:
         model_config = AutoConfig.from_pretrained(config.model)
     except Exception as error:  # noqa: BLE001  (any parse failure of a user's file becomes one line)
         raise InvalidConfigError(
-            f"--model {config.model!r}: its config.json cannot be read ({_one_line(error)}); pass a valid checkpoint."
+            f"--model {config.model!r}: its config.json cannot be read ({one_line(error)}); pass a valid checkpoint."
         ) from None
     base_type = getattr(model_config, "posswap_base_model_type", None) or model_config.model_type
     encoder = base_type == "bert" and not getattr(model_config, "is_decoder", False)
@@ -201,7 +199,7 @@ def check_sequence_length(model: torch.nn.Module, config: FinetuneConfig) -> Non
 
 def learned_table_length(model: torch.nn.Module) -> int | None:
     """Positions of the model's learned absolute table, or ``None`` when its positions are not a fixed table."""
-    from ..describe import describe
+    from ..core.describe import describe
     from ..families.base import FAMILY_REGISTRY
 
     description = describe(model)
@@ -232,7 +230,3 @@ def diverged(step: int, what: str, value: float, config: FinetuneConfig, last_go
 
 def finite(value: float) -> bool:
     return math.isfinite(value)
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())

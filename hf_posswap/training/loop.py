@@ -106,7 +106,7 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
     if config.lora:
         from peft import get_peft_model
 
-        from ..peft_utils import lora_config
+        from ..persistence.adapters import lora_config
 
         model = get_peft_model(model, lora_config(model, config.lora_r, config.lora_alpha, config.lora_dropout))
 
@@ -253,8 +253,9 @@ def _teacher(model: torch.nn.Module, accelerator) -> torch.nn.Module:
 
 
 def _prepare_positions(model: torch.nn.Module, config: FinetuneConfig) -> None:
-    from ..extend import extend_context
-    from ..swap import swap, swap_state
+    from ..core.extend import extend_context
+    from ..core.state import swap_state
+    from ..core.swap import swap
 
     if config.scheme is not None:
         swap(model, config.scheme, replace=swap_state(model) is not None, **config.scheme_options)

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import PosSwapError
+from ..errors import PosSwapError, one_line
 
 if TYPE_CHECKING:
     from .config import FinetuneConfig
@@ -78,7 +78,7 @@ def read_trainer_state(checkpoint: Path) -> dict[str, int]:
     except FileNotFoundError:
         raise TrainingCheckpointError(f"{path} is missing, so {checkpoint.name} cannot be resumed.") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise TrainingCheckpointError(f"{path} is corrupt ({_one_line(error)}); it cannot be resumed.") from None
+        raise TrainingCheckpointError(f"{path} is corrupt ({one_line(error)}); it cannot be resumed.") from None
     keys = ("step", "epoch", "batches_in_epoch")
     if not isinstance(state, dict) or not all(_count(state.get(key)) for key in keys):
         raise TrainingCheckpointError(f"{path} is corrupt: it must hold non-negative integers {', '.join(keys)}.")
@@ -135,10 +135,6 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())
-
-
 def save_result(accelerator, model, tokenizer, output: Path, config: FinetuneConfig) -> Path:
     """The final model (or adapter, and with ``merge_lora`` the merged model), written atomically."""
     accelerator.wait_for_everyone()
@@ -147,7 +143,7 @@ def save_result(accelerator, model, tokenizer, output: Path, config: FinetuneCon
         unwrapped = accelerator.unwrap_model(model)
         staging = _fresh_staging(final)
         if config.lora:
-            from ..peft_utils import save_adapter
+            from ..persistence.adapters import save_adapter
 
             save_adapter(unwrapped, staging)
         else:

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from .attention import CARRIERS
-from .autoload import posswap_config_class
-from .context import POSITIONS_ATTR, PositionForward, PositionHook
-from .edits import (
+from ..edits import (
     Edit,
     SetAttentionImplementation,
     SetAttribute,
@@ -26,30 +22,21 @@ from .edits import (
     apply_all,
     revert_all,
 )
-from .errors import AlreadySwappedError, IncompatibleAttentionError, InvalidOptionError, NotSwappedError
-from .families.base import FamilyAdapter, get_family
-from .schemes.base import SCHEME_REGISTRY, ModelSpec, NativeWeightsMissingWarning, SchemeConfig
-from .schemes.rope import RopeConfig
-from .schemes.rope_scaling import SelfExtend
-
-STATE_ATTR = "_posswap_state"
-CONFIG_RECORD = "posswap"
-RECORD_VERSION = 1
-
-
-@dataclass
-class SwapState:
-    """What ``swap`` did to a model, kept on the model so ``unswap`` and ``describe`` can read it."""
-
-    config: SchemeConfig
-    family: str
-    native: bool
-    edits: list[Edit]
-    new_parameters: list[tuple[str, tuple[int, ...], bool]] = field(default_factory=list)
-    #: set by ``extend_context``: method, original and current length, scaling parameters
-    extension: dict[str, Any] | None = None
-    #: the learned table's trained rows before any growth, so a second extension starts from them again
-    original_table: Any = None
+from ..errors import AlreadySwappedError, IncompatibleAttentionError, InvalidOptionError, NotSwappedError
+from ..families.base import FamilyAdapter, get_family
+from ..schemes.base import SCHEME_REGISTRY, ModelSpec, NativeWeightsMissingWarning, SchemeConfig
+from ..schemes.rope import RopeConfig
+from ..schemes.rope_scaling import SelfExtend
+from .attention import CARRIERS
+from .context import POSITIONS_ATTR, PositionForward, PositionHook
+from .native import check_loaded, install_native_restorers, unwrap_peft
+from .state import (
+    CONFIG_RECORD,
+    RECORD_VERSION,
+    STATE_ATTR,
+    SwapState,
+    posswap_config_class,
+)
 
 
 def available_schemes() -> list[str]:
@@ -59,7 +46,7 @@ def available_schemes() -> list[str]:
 
 def supported_families() -> list[str]:
     """``config.model_type`` values that ``swap`` supports."""
-    from .families.base import FAMILY_REGISTRY
+    from ..families.base import FAMILY_REGISTRY
 
     return FAMILY_REGISTRY.names()
 
@@ -91,8 +78,6 @@ def swap(model: nn.Module, scheme: str | SchemeConfig, *, replace: bool = False,
         UnknownSchemeError, InvalidOptionError, InvalidConfigError, UnsupportedFamilyError,
         IncompatibleAttentionError, AlreadySwappedError. On any error the model is left exactly as it was.
     """
-    from .restore import check_loaded, install_native_restorers, unwrap_peft
-
     wrapper, model = model, unwrap_peft(model)  # a peft model: swap the transformers model inside
     adapter = get_family(model)
     check_loaded(model)
@@ -121,8 +106,6 @@ def swap(model: nn.Module, scheme: str | SchemeConfig, *, replace: bool = False,
 
 def unswap(model: nn.Module) -> nn.Module:
     """Restore the model's original position mechanism exactly (modules, config, attention implementation)."""
-    from .restore import check_loaded, unwrap_peft
-
     wrapper, model = model, unwrap_peft(model)
     check_loaded(model)
     state: SwapState | None = getattr(model, STATE_ATTR, None)
@@ -147,11 +130,6 @@ def _not_swapped_message(model: nn.Module) -> str:
         f"{type(model).__name__} was not swapped by hf_posswap, so there is nothing to undo. "
         "hf_posswap.describe(model) shows what a model carries."
     )
-
-
-def swap_state(model: nn.Module) -> SwapState | None:
-    """The :class:`SwapState` of a swapped model, else ``None``."""
-    return getattr(model, STATE_ATTR, None)
 
 
 def _install(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig) -> SwapState:

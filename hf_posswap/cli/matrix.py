@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .families.base import FAMILY_REGISTRY
-from .schemes.base import SCHEME_REGISTRY
+from ..families.base import FAMILY_REGISTRY
+from ..schemes.base import SCHEME_REGISTRY
 
 PLACEMENT = {
     "absolute": "vectors added to the token embeddings",

@@ -7,9 +7,9 @@ from typing import Any
 
 from torch import nn
 
-from .families.base import FAMILY_REGISTRY
-from .restore import check_loaded, unwrap_peft
-from .swap import swap_state
+from ..families.base import FAMILY_REGISTRY
+from .native import check_loaded, unwrap_peft
+from .state import swap_state
 
 
 @dataclass

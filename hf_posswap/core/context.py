@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import IncompatibleAttentionError, InvalidConfigError
-from .families.base import FamilyAdapter, default_position_ids
+from ..errors import IncompatibleAttentionError, InvalidConfigError
+from ..families.base import FamilyAdapter, default_position_ids
 
 CONTEXT_KWARG = "posswap_context"
 POSITIONS_ATTR = "posswap_positions"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from .errors import PosSwapError
-from .training.config import FinetuneConfig, build_parser, config_from_args
-from .training.loop import finetune
+from ..errors import PosSwapError
+from ..training.config import FinetuneConfig, build_parser, config_from_args
+from ..training.loop import finetune
 
 __all__ = ["FinetuneConfig", "finetune", "main"]
 

@@ -8,23 +8,12 @@ printed as one line. Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidConfigError, PosSwapError
-
-
-class UsageError(PosSwapError, ValueError):
-    """A malformed command line (unknown option, a value of the wrong type)."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that raises :class:`UsageError` (printed as one line) instead of printing a usage block."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{message} (see {self.prog} --help)")
+from ..errors import InvalidConfigError, PosSwapError, one_line
+from .parser import OneLineParser, UsageError
 
 
 def _schemes(argv: list[str]) -> int:
@@ -48,7 +37,7 @@ def _finetune(argv: list[str]) -> int:
 
 
 def _options(items: list[str]) -> dict[str, Any]:
-    from .training.config import parse_options
+    from ..training.config import parse_options
 
     options = parse_options(items)
     for key in options:
@@ -59,7 +48,7 @@ def _options(items: list[str]) -> dict[str, Any]:
 
 def _check_scheme(name: str, options: dict[str, Any]) -> None:
     """An unknown scheme or a bad option fails here, before a model is loaded."""
-    from .schemes.base import SCHEME_REGISTRY
+    from ..schemes.base import SCHEME_REGISTRY
 
     try:
         SCHEME_REGISTRY.get(name).from_options(**options)
@@ -71,7 +60,7 @@ def _check_scheme(name: str, options: dict[str, Any]) -> None:
 
 def _load(path: str, task: str = "saved", merge: bool = True):
     """(model, tokenizer or None, source) for a checked ``--model`` path; adapters are merged unless asked not to."""
-    from .loading import inspect_model_path, load_model, load_tokenizer
+    from ..persistence.loading import inspect_model_path, load_model, load_tokenizer
 
     source = inspect_model_path(path)
     return load_model(source, task, merge=merge), load_tokenizer(source), source
@@ -79,7 +68,7 @@ def _load(path: str, task: str = "saved", merge: bool = True):
 
 def _save(model, tokenizer, output: str, overwrite: bool) -> None:
     """``save_pretrained`` (and the tokenizer) into a staging directory beside ``output``, then moved into place."""
-    from .saving import staged_directory
+    from ..persistence.saving import staged_directory
 
     with staged_directory(output, overwrite) as staging:
         model.save_pretrained(staging)
@@ -96,9 +85,9 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("output", help="directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint files in a non-empty output")
     args = parser.parse_args(argv)
-    from .export import export_standalone
-    from .loading import inspect_model_path
-    from .saving import check_output_dir
+    from ..persistence.export import export_standalone
+    from ..persistence.loading import inspect_model_path
+    from ..persistence.saving import check_output_dir
 
     check_output_dir(args.output, args.overwrite, flag="output")
     source = inspect_model_path(args.checkpoint, flag="checkpoint")
@@ -129,10 +118,10 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--output", help="write the results as JSON here")
     args = parser.parse_args(argv)
-    from .evaluation import evaluate
-    from .evaluation.checks import check_results_output, check_settings
-    from .loading import inspect_model_path, load_model, load_tokenizer
-    from .user_files import read_text_files
+    from ..evaluation import evaluate
+    from ..evaluation.checks import check_results_output, check_settings
+    from ..persistence.loading import inspect_model_path, load_model, load_tokenizer
+    from ..persistence.user_files import read_text_files
 
     check_settings(args.lengths, args.mode, args.stride, args.tail_from, args.max_windows, args.passkey_lengths,
                    args.depths, args.trials)
@@ -167,9 +156,10 @@ def _swap_command(argv: list[str]) -> int:
     parser.add_argument("--output", required=True, help="directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint files in a non-empty output")
     args = parser.parse_args(argv)
-    from .describe import describe
-    from .saving import check_output_dir
-    from .swap import swap, swap_state
+    from ..core.describe import describe
+    from ..core.state import swap_state
+    from ..core.swap import swap
+    from ..persistence.saving import check_output_dir
 
     options = _options(args.option)
     _check_scheme(args.scheme, options)
@@ -191,9 +181,9 @@ def _extend_command(argv: list[str]) -> int:
     parser.add_argument("--output", required=True, help="directory to write (the --model directory with --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint files in a non-empty output")
     args = parser.parse_args(argv)
-    from .describe import describe
-    from .extend import available_extension_methods, extend_context
-    from .saving import check_output_dir
+    from ..core.describe import describe
+    from ..core.extend import available_extension_methods, extend_context
+    from ..persistence.saving import check_output_dir
 
     if args.to < 1:
         raise InvalidConfigError(f"--to {args.to}: the new context length must be a positive number of tokens.")
@@ -217,10 +207,11 @@ def _inspect(argv: list[str]) -> int:
     parser.add_argument("--length", type=int, default=256, help="positions to draw")
     parser.add_argument("--output", default="inspect", help="directory for the PNG files")
     args = parser.parse_args(argv)
-    from .evaluation.checks import check_lengths_fit
-    from .evaluation.plots import position_pictures
-    from .saving import check_output_dir
-    from .swap import swap, swap_state
+    from ..core.state import swap_state
+    from ..core.swap import swap
+    from ..evaluation.checks import check_lengths_fit
+    from ..evaluation.plots import position_pictures
+    from ..persistence.saving import check_output_dir
 
     if args.length < 2:
         raise InvalidConfigError(f"--length {args.length}: draw at least 2 positions.")
@@ -247,8 +238,8 @@ def _plot(argv: list[str]) -> int:
     parser.add_argument("--output", default="perplexity.png")
     parser.add_argument("--passkey-output", help="also draw the passkey heatmap of the first run here")
     args = parser.parse_args(argv)
-    from .evaluation.plots import check_picture_path, load_runs, plot_passkey, plot_perplexity
-    from .saving import check_output_file
+    from ..evaluation.plots import check_picture_path, load_runs, plot_passkey, plot_perplexity
+    from ..persistence.saving import check_output_file
 
     if args.trained_length is not None and args.trained_length < 1:
         raise InvalidConfigError(f"--trained-length {args.trained_length}: give a positive number of tokens.")
@@ -306,16 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-posswap {command}: {error}", file=sys.stderr)
         return 2
     except (PosSwapError, OSError) as error:
-        print(f"hf-posswap {command}: {_one_line(error)}", file=sys.stderr)
+        print(f"hf-posswap {command}: {one_line(error)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"hf-posswap {command}: interrupted; outputs are written atomically, so nothing half-written was "
               "left.", file=sys.stderr)
         return 130
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from ..schemes.rope import apply_rotary
 from .context import CONTEXT_KWARG, PositionContext
-from .schemes.rope import apply_rotary
 from .self_extend import self_extend_attention
 
 EAGER = "posswap_eager"

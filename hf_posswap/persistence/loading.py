@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from .errors import PosSwapError
+from ..errors import PosSwapError
 from .user_files import check_safetensors, check_torch_file, read_json
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -166,7 +166,7 @@ def _hub_config(repo_id: str, flag: str) -> dict[str, Any]:
 
 
 def _inspect_adapter(path: Path, text: str, flag: str) -> ModelSource:
-    from .peft_utils import ADAPTER_RECORD
+    from .adapters import ADAPTER_RECORD
 
     adapter_config = read_json(path / ADAPTER_CONFIG, flag)
     _check_weights(path, ADAPTER_WEIGHT_FILES, flag, text)
@@ -205,7 +205,7 @@ def _check_adapter_record(record: dict[str, Any], path: Path) -> None:
             f"{str(path)!r} is malformed: expected {{'scheme': null or {{'scheme': name, ...}}, 'extension': null or "
             f"{{...}}}}, got {record!r}. Restore the file written with the adapter."
         )
-    from .schemes.base import SCHEME_REGISTRY
+    from ..schemes.base import SCHEME_REGISTRY
 
     name = scheme.get("scheme") if isinstance(scheme, dict) else None
     if name is not None and name not in SCHEME_REGISTRY.names():
@@ -220,9 +220,7 @@ def load_model(source: ModelSource, task: str = "saved", merge: bool = False) ->
         base = load_model(source.base, _adapter_task(source, task))
         model = _attach_adapter(base, source)
         return _merge(model, source) if merge else model
-    import hf_posswap  # noqa: F401  (registers hf_posswap checkpoints with the Auto classes)
-
-    from .restore import check_loaded
+    from ..core.native import check_loaded
 
     auto = _auto_class(source, task)
     try:
@@ -274,10 +272,11 @@ def _auto_class(source: ModelSource, task: str) -> type:
 
 def _attach_adapter(base: nn.Module, source: ModelSource) -> nn.Module:
     """Swap ``base`` as the adapter's record says, then :func:`hf_posswap.load_adapter` (which checks it)."""
-    from .extend import replay_extension
-    from .peft_utils import load_adapter
-    from .schemes.base import scheme_config_from_dict
-    from .swap import swap, swap_state, unswap
+    from ..core.extend import replay_extension
+    from ..core.state import swap_state
+    from ..core.swap import swap, unswap
+    from ..schemes.base import scheme_config_from_dict
+    from .adapters import load_adapter
 
     record = source.record
     if record is not None:

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import PosSwapError
+from ..errors import PosSwapError
 
 #: weight files and indexes: stale ones are removed on overwrite (an old index next to new weights misleads loading)
 WEIGHT_PATTERNS = (

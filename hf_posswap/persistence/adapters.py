@@ -15,10 +15,10 @@ from typing import Any
 
 from torch import nn
 
-from .errors import InvalidConfigError
-from .families.base import get_family
-from .restore import unwrap_peft
-from .swap import swap_state
+from ..core.native import unwrap_peft
+from ..core.state import swap_state
+from ..errors import InvalidConfigError
+from ..families.base import get_family
 
 ADAPTER_RECORD = "posswap_adapter.json"
 POSITION_MODULE_NAMES = ("wpe", "position_embeddings", "posswap_positions")

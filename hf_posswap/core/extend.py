@@ -20,16 +20,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..edits import Edit, SetAttribute, apply_all
+from ..errors import InvalidConfigError, InvalidOptionError
+from ..families.base import FamilyAdapter, get_family
+from ..schemes.base import NativeWeightsMissingWarning, SchemeConfig
+from ..schemes.learned import LearnedConfig
+from ..schemes.rope import RopeConfig
+from ..schemes.rope_scaling import SCALING_REGISTRY
 from .context import POSITIONS_ATTR
-from .edits import Edit, SetAttribute, apply_all
-from .errors import InvalidConfigError, InvalidOptionError
-from .families.base import FamilyAdapter, get_family
-from .restore import NativeWeightsMissingWarning, check_loaded, install_native_restorers, unwrap_peft
-from .schemes.base import SchemeConfig
-from .schemes.learned import LearnedConfig
-from .schemes.rope import RopeConfig
-from .schemes.rope_scaling import SCALING_REGISTRY
-from .swap import CONFIG_RECORD, SwapState, swap, swap_state
+from .native import check_loaded, install_native_restorers, unwrap_peft
+from .state import CONFIG_RECORD, SwapState, swap_state
+from .swap import swap
 
 PEFT_WRAPPER_ATTR = "modules_to_save"
 

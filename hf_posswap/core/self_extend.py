@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv
 
+from ..schemes.rope import apply_rotary
 from .context import PositionContext
-from .schemes.rope import apply_rotary
 
 
 def self_extend_attention(

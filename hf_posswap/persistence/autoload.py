@@ -15,7 +15,6 @@ Registration goes through transformers' own ``AutoConfig.register`` / ``AutoMode
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any
 
 from torch import nn
@@ -31,9 +30,9 @@ from transformers import (
 )
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from .errors import InvalidConfigError
+from ..core.state import MODEL_TYPE_PREFIX, base_model_type, check_record, posswap_config_class  # noqa: F401
+from ..errors import InvalidConfigError
 
-MODEL_TYPE_PREFIX = "hf_posswap_"
 AUTO_CLASSES = (
     AutoModel,
     AutoModelForCausalLM,
@@ -43,32 +42,6 @@ AUTO_CLASSES = (
     AutoModelForTokenClassification,
     AutoModelForQuestionAnswering,
 )
-
-
-def base_model_type(config: Any) -> str | None:
-    """The family's own model type, for a plain or an hf_posswap config."""
-    return getattr(config, "posswap_base_model_type", None) or getattr(config, "model_type", None)
-
-
-@functools.cache
-def posswap_config_class(base: type) -> type:
-    """``PosSwap<Base>``: the base config class with model_type ``hf_posswap_<type>``.
-
-    The class is also a module-level name of ``hf_posswap.autoload`` (:func:`_publish`), so configs and whole
-    models pickle (``pickle.dumps(model.config)``, ``torch.save(model)``). Unpickling imports ``hf_posswap``,
-    which registers every built-in family's classes first.
-    """
-    cls = type(
-        f"PosSwap{base.__name__}",
-        (base,),
-        {
-            "model_type": MODEL_TYPE_PREFIX + base.model_type,
-            "posswap_base_model_type": base.model_type,
-            "posswap_base_config_class": base,
-            "__module__": __name__,
-        },
-    )
-    return _publish(cls)
 
 
 @functools.cache
@@ -154,22 +127,3 @@ def register_auto_classes(model_types: list[str]) -> None:
             auto.register(config_cls, posswap_model_class(base_model), exist_ok=True)
 
 
-def check_record(record: Any) -> dict[str, Any]:
-    """Validate a ``config.posswap`` record; unknown keys (a newer hf_posswap) are dropped with a warning."""
-    from .swap import RECORD_VERSION
-
-    if not isinstance(record, dict) or not isinstance(record.get("scheme"), str):
-        raise InvalidConfigError(
-            f"The checkpoint's config.posswap record is malformed: expected a dict with a string 'scheme', got "
-            f"{record!r}. Re-save the model with hf_posswap, or fix config.json."
-        )
-    version = record.get("version", RECORD_VERSION)
-    if not isinstance(version, int):
-        raise InvalidConfigError(f"config.posswap.version must be an integer, got {version!r}.")
-    if version > RECORD_VERSION:
-        warnings.warn(
-            f"This checkpoint was written by a newer hf_posswap (record version {version}, this one reads "
-            f"{RECORD_VERSION}); loading what this version knows. Upgrade hf_posswap if the model misbehaves.",
-            stacklevel=3,
-        )
-    return record

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .describe import describe
-from .swap import swap, unswap
+from ..core.describe import describe
+from ..core.swap import swap, unswap
 
 DEFAULT_SCHEMES = ("rope", "alibi", "t5", "none")
 PROMPT = "def fibonacci(n):\n    "
@@ -60,7 +60,7 @@ def run(
     """Swap the default checkpoint to each scheme in turn; return one result row per scheme (native first)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .checkpoints import smollm2_dir
+    from ..persistence.offline_checkpoints import smollm2_dir
 
     started = time.perf_counter()
     path = checkpoint or smollm2_dir()
@@ -99,7 +99,7 @@ TRAINED_LENGTH = 8192
 
 def _first_window(model, token_ids: torch.Tensor, length: int, trained: int):
     """Perplexity of the first window; past the trained length only the positions beyond it count (tail NLL)."""
-    from .evaluation import perplexity
+    from ..evaluation import perplexity
 
     if length > trained:
         return perplexity(model, token_ids, length, "tail", tail_from=trained, max_windows=1)
@@ -111,9 +111,9 @@ def extension_demo(model, tokenizer, lengths: tuple[int, ...], output: Path) -> 
     32,768; a plot; a save + plain-transformers reload check. ``model`` is unswapped on entry and on exit."""
     from transformers import AutoModelForCausalLM
 
-    from .evaluation import corpus_text
-    from .evaluation.plots import plot_perplexity
-    from .extend import extend_context
+    from ..core.extend import extend_context
+    from ..evaluation import corpus_text
+    from ..evaluation.plots import plot_perplexity
 
     token_ids = torch.tensor(tokenizer(corpus_text("reference"))["input_ids"])
     runs: dict[str, dict] = {}
@@ -128,7 +128,7 @@ def extension_demo(model, tokenizer, lengths: tuple[int, ...], output: Path) -> 
     output.mkdir(parents=True, exist_ok=True)
     plot = plot_perplexity(runs, output / "perplexity_vs_length.png", trained_length=TRAINED_LENGTH, mode="mixed",
                            title="SmolLM2-135M, trained at 8,192 (past it: tail NLL)")
-    from .saving import staged_directory
+    from ..persistence.saving import staged_directory
 
     with staged_directory(output / "smollm2-yarn-32k", overwrite=True) as staging:  # the demo's own directory
         model.save_pretrained(staging)
@@ -151,8 +151,8 @@ def extension_demo(model, tokenizer, lengths: tuple[int, ...], output: Path) -> 
 
 def _check_args(args: argparse.Namespace) -> None:
     """Every demo setting, checked before the checkpoint is loaded."""
-    from .errors import InvalidConfigError
-    from .schemes.base import SCHEME_REGISTRY
+    from ..errors import InvalidConfigError
+    from ..schemes.base import SCHEME_REGISTRY
 
     for scheme in args.schemes:
         SCHEME_REGISTRY.get(scheme)
@@ -162,7 +162,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if bad:
         raise InvalidConfigError(f"--extension-lengths {bad[0]}: window lengths must be at least 2 tokens.")
     if args.checkpoint is not None:
-        from .loading import inspect_model_path
+        from ..persistence.loading import inspect_model_path
 
         source = inspect_model_path(args.checkpoint, flag="--checkpoint")
         if source.kind == "adapter" or not source.is_causal():
@@ -173,7 +173,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import OneLineParser
+    from .parser import OneLineParser
 
     parser = OneLineParser(prog="hf-posswap demo", description=__doc__.splitlines()[0])
     parser.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES), help="schemes to try in turn")

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import PosSwapError
+from ..errors import PosSwapError
 
 _MAX_HEADER = 100 * 2**20  # bytes: a safetensors header longer than this is corrupt
 

@@ -1,0 +1,123 @@
+"""The package's house: folders in layers, imports (module-level and lazy ones inside functions) only point down,
+and no two modules import each other, directly or around a loop."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import hf_posswap
+
+PACKAGE = Path(hf_posswap.__file__).resolve().parent
+# lowest first; a module may import from its own layer or any lower one
+LAYERS = [
+    {"errors", "registry", "edits", "version"},
+    {"schemes"},
+    {"families"},
+    {"core"},
+    {"persistence"},
+    {"evaluation", "training"},
+    {"cli"},
+    {"__init__", "__main__"},
+]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """hf_posswap modules that ``path`` imports anywhere in its body, as dotted names below hf_posswap."""
+    name = module_name(path)
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    if path.name == "__init__.py" and name == "__init__":
+        package = []
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+            target = [*base, *(node.module.split(".") if node.module else [])]
+            if node.module:
+                found.add(".".join(target))
+            else:
+                found.update(".".join([*target, alias.name]) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hf_posswap."):
+            found.add(node.module.removeprefix("hf_posswap."))
+        elif isinstance(node, ast.Import):
+            found.update(a.name.removeprefix("hf_posswap.") for a in node.names if a.name.startswith("hf_posswap."))
+    return {f for f in found if f}
+
+
+def layer(module: str) -> int:
+    top = module.split(".")[0]
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def modules() -> dict[str, set[str]]:
+    return {module_name(path): imports(path) for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_every_folder_and_root_module_has_a_layer() -> None:
+    tops = {module_name(path).split(".")[0] for path in PACKAGE.rglob("*.py")}
+    assert tops == set().union(*LAYERS), "give a new folder or root module a place in LAYERS"
+
+
+def test_imports_only_point_down() -> None:
+    upward = [f"{module} -> {target}" for module, targets in modules().items() for target in targets
+              if layer(target) > layer(module)]
+    assert not upward
+
+
+def test_no_import_loops() -> None:
+    graph = modules()
+
+    def resolve(target: str) -> str:  # "core.swap" or a name inside a package's __init__
+        return target if target in graph else target.rsplit(".", 1)[0]
+
+    edges = {module: {resolve(t) for t in targets} - {module} for module, targets in graph.items()}
+    for module in graph:  # a package imports its own submodules on purpose; loops are between modules
+        if "." not in module and (PACKAGE / module).is_dir():
+            edges[module] = {t for t in edges[module] if not t.startswith(module + ".")}
+    seen: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        seen[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if seen.get(nxt) == 1:
+                raise AssertionError("import loop: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in seen:
+                visit(nxt)
+        stack.pop()
+        seen[node] = 2
+
+    for module in sorted(edges):
+        if module not in seen and module not in ("__init__", "__main__"):
+            visit(module)
+
+
+def test_version_matches_pyproject() -> None:
+    pyproject = (PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(r'^version = "([^"]+)"', pyproject, re.MULTILINE).group(1) == hf_posswap.__version__
+
+
+def test_every_import_names_something_that_exists() -> None:
+    """Imports inside functions run only when the function does: check each one's module and names now."""
+    import importlib.util
+
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        package = [] if name == "__init__" else name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.ImportFrom) and node.level):
+                continue
+            base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+            target = ".".join(["hf_posswap", *base, *(node.module.split(".") if node.module else [])])
+            module = importlib.import_module(target)
+            missing += [f"{name}: {target}.{a.name}" for a in node.names
+                        if not hasattr(module, a.name) and importlib.util.find_spec(f"{target}.{a.name}") is None]
+    assert not missing
