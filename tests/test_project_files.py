@@ -35,7 +35,7 @@ def test_examples_readme_lists_every_example_with_a_runtime() -> None:
 @pytest.mark.slow
 def test_readme_command_prints_where_the_offline_checkpoints_live() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    command = re.search(r'`python -c "(from hf_posswap\.checkpoints import [^"]+)"`', readme)
+    command = re.search(r'`python -c "(from hf_posswap\.persistence\.offline_checkpoints import [^"]+)"`', readme)
     assert command, "the README line printing the checkpoint paths is gone"
     result = subprocess.run([sys.executable, "-c", command.group(1)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
