@@ -7,8 +7,13 @@ Loads SmolLM2-135M-Instruct (LLaMA family, trained at 8,192 tokens, from the ``l
    has not learned to use it, so its perplexity rises; the identity swap (RoPE with the model's own theta) must
    leave it exactly unchanged;
 2. extends the context to 32,768 with YaRN and compares perplexity with and without scaling inside and past the
-   trained length (the reference window of BENCHMARKS.md), writes a plot, saves the extended model and reloads
-   it with plain transformers (a native checkpoint: identical logits).
+   trained length (the reference window of BENCHMARKS.md), writes a plot, saves the extended model with its
+   tokenizer (ready for ``hf-posswap eval --model``) and reloads it with plain transformers (a native checkpoint:
+   identical logits).
+
+Every step reports its progress on stderr (a bar on a terminal, plain lines with the elapsed time and an ETA in a
+log); ``--no-progress`` turns that off. torch and transformers are imported only when the demo runs, so ``--help``
+answers at once.
 """
 
 from __future__ import annotations
@@ -18,14 +23,11 @@ import math
 import sysconfig
 import time
 from pathlib import Path
-
-import torch
-
-from ..core.describe import describe
-from ..core.swap import swap, unswap
+from typing import Any
 
 DEFAULT_SCHEMES = ("rope", "alibi", "t5", "none")
 PROMPT = "def fibonacci(n):\n    "
+EXTENDED_TO = 32_768
 
 
 def reference_text() -> str:
@@ -33,20 +35,25 @@ def reference_text() -> str:
     return (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
 
 
-@torch.no_grad()
-def perplexity(model: torch.nn.Module, input_ids: torch.Tensor) -> float:
+def perplexity(model, input_ids) -> float:
     """exp(mean next-token NLL) over one window [1, L]."""
-    logits = model(input_ids=input_ids).logits[0, :-1].float()  # [L-1, vocab]
-    nll = torch.nn.functional.cross_entropy(logits, input_ids[0, 1:])
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits[0, :-1].float()  # [L-1, vocab]
+        nll = torch.nn.functional.cross_entropy(logits, input_ids[0, 1:])
     return math.exp(nll.item())
 
 
-@torch.no_grad()
-def continuation(model: torch.nn.Module, tokenizer, max_new_tokens: int = 16) -> str:
+def continuation(model, tokenizer, max_new_tokens: int = 16) -> str:
+    """The greedy continuation of ``PROMPT``."""
+    import torch
+
     prompt = tokenizer(PROMPT, return_tensors="pt")
-    output = model.generate(
-        **prompt, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id
-    )
+    with torch.no_grad():
+        output = model.generate(
+            **prompt, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id
+        )
     return tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
@@ -56,8 +63,11 @@ def run(
     checkpoint: str | None = None,
     extension_lengths: tuple[int, ...] = (4096, 12288),
     output: Path = Path("outputs/demo"),
+    progress: bool = True,
 ) -> list[dict]:
-    """Swap the default checkpoint to each scheme in turn; return one result row per scheme (native first)."""
+    """Swap the default checkpoint to each scheme in turn; return one result row per scheme (native first), then
+    the context-extension rows."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..persistence.offline_checkpoints import smollm2_dir
@@ -68,17 +78,7 @@ def run(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     input_ids = tokenizer(reference_text(), return_tensors="pt")["input_ids"][:, :length]
-    print(describe(model), "\n", flush=True)
-
-    rows = [{"scheme": "native", "perplexity": perplexity(model, input_ids), "text": continuation(model, tokenizer)}]
-    for scheme in schemes:
-        swap(model, scheme)
-        print(describe(model), "\n", flush=True)
-        rows.append(
-            {"scheme": scheme, "perplexity": perplexity(model, input_ids), "text": continuation(model, tokenizer)}
-        )
-        unswap(model)
-
+    rows = scheme_rows(model, tokenizer, input_ids, schemes, progress)
     print(
         f"Next-token perplexity on the first {input_ids.shape[1]} tokens of argparse.py, and greedy continuations "
         f"of {PROMPT!r} (pretrained weights, no fine-tuning after the swap):\n"
@@ -88,65 +88,127 @@ def run(
     for row in rows:
         print(f"| {row['scheme']:<8} | {row['perplexity']:>12.2f} | {row['text']!r}")
     if extension_lengths:
-        print("\nContext extension (one forward per length; ~2 minutes at 12,288 tokens on 2 cores):", flush=True)
-        rows += extension_demo(model, tokenizer, extension_lengths, output)
+        print("\nContext extension (one forward pass per length and model; minutes per pass at 12,288 tokens on "
+              "2 cores):", flush=True)
+        rows += extension_demo(model, tokenizer, extension_lengths, output, progress, Path(path).name)
     print(f"\nDone in {time.perf_counter() - started:.0f} s.")
     return rows
 
 
-TRAINED_LENGTH = 8192
+def scheme_rows(model, tokenizer, input_ids, schemes: tuple[str, ...], progress: bool) -> list[dict]:
+    """Perplexity and a greedy continuation of the native model and of each scheme swapped in (and out again),
+    printing ``describe()`` of each."""
+    from ..core.describe import describe
+    from ..core.swap import swap, unswap
+    from ..evaluation.progress import Progress
+
+    rows = []
+    with Progress("swaps", 1 + len(schemes), unit="scheme", enabled=progress) as bar:
+        for scheme in ("native", *schemes):
+            if scheme != "native":
+                swap(model, scheme)
+            bar.write(f"{describe(model)}\n")
+            rows.append({"scheme": scheme, "perplexity": perplexity(model, input_ids),
+                         "text": continuation(model, tokenizer)})
+            if scheme != "native":
+                unswap(model)
+            bar.step(scheme)
+    return rows
 
 
-def _first_window(model, token_ids: torch.Tensor, length: int, trained: int):
-    """Perplexity of the first window; past the trained length only the positions beyond it count (tail NLL)."""
-    from ..evaluation import perplexity
+def window_rows(model, token_ids, length: int, trained: int) -> list[dict[str, Any]]:
+    """One forward pass over the first ``length`` tokens: the perplexity of the whole window ("windows") and, past
+    the trained length, of the positions beyond it only ("tail", so early tokens do not flatter the number)."""
+    from ..evaluation.perplexity import window_nlls
 
-    if length > trained:
-        return perplexity(model, token_ids, length, "tail", tail_from=trained, max_windows=1)
-    return perplexity(model, token_ids, length, "windows", max_windows=1)
+    modes = ["windows", "tail"] if length > trained else ["windows"]
+    first_scored = [1, trained] if length > trained else [1]
+    sums = window_nlls(model, token_ids[:length], first_scored)
+    return [{"length": length, "mode": mode, "perplexity": math.exp(nll / count), "nll": nll / count,
+             "tokens": count, "windows": 1, "tail_from": trained if mode == "tail" else None}
+            for mode, (nll, count) in zip(modes, sums, strict=True)]
 
 
-def extension_demo(model, tokenizer, lengths: tuple[int, ...], output: Path) -> list[dict]:
+def forward_cost(length: int) -> float:
+    """Rough relative cost of one forward pass of ``length`` tokens (linear layers plus attention, which grows
+    with the square), so the ETA of the extension step weighs a 12,288-token pass above a 4,096-token one."""
+    return length * (1 + length / 4096)
+
+
+def extension_demo(model, tokenizer, lengths: tuple[int, ...], output: Path, progress: bool = True,
+                   name: str = "SmolLM2-135M-Instruct") -> list[dict]:
     """Perplexity of the first window of each length of the reference text, without scaling and with YaRN to
-    32,768; a plot; a save + plain-transformers reload check. ``model`` is unswapped on entry and on exit."""
-    from transformers import AutoModelForCausalLM
+    32,768; a plot; a save (with the tokenizer) + plain-transformers reload check. ``model`` is unswapped on entry
+    and on exit."""
+    import torch
 
     from ..core.extend import extend_context
+    from ..core.swap import unswap
     from ..evaluation import corpus_text
+    from ..evaluation.perplexity import plan_windows
     from ..evaluation.plots import plot_perplexity
+    from ..evaluation.progress import Progress
 
+    trained = int(getattr(model.config, "max_position_embeddings", 8192))
     token_ids = torch.tensor(tokenizer(corpus_text("reference"))["input_ids"])
+    for length in lengths:  # a length past the text fails here, before the first long forward pass
+        plan_windows(model, token_ids, length, "windows", None, None)
+    labels = ("no scaling", f"yarn to {EXTENDED_TO}")
     runs: dict[str, dict] = {}
-    for label in ("no scaling", "yarn to 32768"):
-        if label != "no scaling":
-            extend_context(model, 32_768, "yarn")
-        started = time.perf_counter()
-        rows = [vars(_first_window(model, token_ids, n, TRAINED_LENGTH)) for n in lengths]
-        runs[label] = {"perplexity": rows}
-        measured = ", ".join(f"{r['length']}: {r['perplexity']:.2f}" for r in rows)
-        print(f"  {label}: {measured} ({time.perf_counter() - started:.0f} s)", flush=True)
+    weights = [forward_cost(n) for _ in labels for n in lengths]
+    with Progress("context extension", len(weights), unit="forward pass", weights=weights, enabled=progress) as bar:
+        for label in labels:
+            if label != "no scaling":
+                extend_context(model, EXTENDED_TO, "yarn")
+            started, rows = time.perf_counter(), []
+            for length in lengths:
+                with bar.watch(model):
+                    rows += window_rows(model, token_ids, length, trained)
+                bar.step(f"{label}, {length:,} tokens")
+            runs[label] = {"perplexity": rows}
+            measured = ", ".join(f"{r['length']} ({r['mode']}): {r['perplexity']:.2f}" for r in rows)
+            bar.write(f"  {label}: {measured} ({time.perf_counter() - started:.0f} s)")
     output.mkdir(parents=True, exist_ok=True)
-    plot = plot_perplexity(runs, output / "perplexity_vs_length.png", trained_length=TRAINED_LENGTH, mode="mixed",
-                           title="SmolLM2-135M, trained at 8,192 (past it: tail NLL)")
+    plot = plot_perplexity(runs, output / "perplexity_vs_length.png", mode=None, trained_length=trained,
+                           title=f"{name}, trained at {trained:,} tokens: perplexity of the first window")
+    same = _save_and_reload(model, tokenizer, output / "smollm2-yarn-32k", token_ids[None, :64], progress)
+    unswap(model)
+    _print_extension_table(runs, labels, trained)
+    print(f"\nPlot: {plot}")
+    print(f"Saved {output / 'smollm2-yarn-32k'} with its tokenizer; plain transformers reloads it with identical "
+          f"logits: {same}")
+    return [{"label": k, **r} for k, v in runs.items() for r in v["perplexity"]]
+
+
+def _save_and_reload(model, tokenizer, directory: Path, probe, progress: bool) -> bool:
+    """Save the model with its tokenizer (the folder is a complete checkpoint for the next command), reload it with
+    plain transformers and compare the logits on ``probe`` [1, L]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..evaluation.progress import Progress
     from ..persistence.saving import staged_directory
 
-    with staged_directory(output / "smollm2-yarn-32k", overwrite=True) as staging:  # the demo's own directory
-        model.save_pretrained(staging)
-    probe = token_ids[None, :64]
-    reloaded = AutoModelForCausalLM.from_pretrained(output / "smollm2-yarn-32k").eval()
-    with torch.no_grad():
-        same = torch.equal(reloaded(input_ids=probe).logits, model(input_ids=probe).logits)
-    unswap(model)
-    print("\nPerplexity of the first window of typing.py+argparse.py+tarfile.py (trained length 8,192; for longer")
-    print("windows only the predictions past 8,192 count):\n")
-    print(f"| {'tokens':>8} | {'scored':<10} | {'no scaling':>11} | {'yarn 32k':>9} |")
-    print(f"|{'-' * 10}|{'-' * 12}|{'-' * 13}|{'-' * 11}|")
-    for plain, yarn in zip(runs["no scaling"]["perplexity"], runs["yarn to 32768"]["perplexity"], strict=True):
-        scored = "all" if plain["mode"] == "windows" else f"past {TRAINED_LENGTH}"
-        print(f"| {plain['length']:>8} | {scored:<10} | {plain['perplexity']:>11.2f} | {yarn['perplexity']:>9.2f} |")
-    print(f"\nPlot: {plot}")
-    print(f"Saved {output / 'smollm2-yarn-32k'}; plain transformers reloads it with identical logits: {same}")
-    return [{"label": k, **r} for k, v in runs.items() for r in v["perplexity"]]
+    with Progress("save and reload", 2, enabled=progress) as bar:
+        with staged_directory(directory, overwrite=True) as staging:  # the demo's own directory
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+        bar.step("saved")
+        reloaded = AutoModelForCausalLM.from_pretrained(directory).eval()
+        with torch.no_grad():
+            same = torch.equal(reloaded(input_ids=probe).logits, model(input_ids=probe).logits)
+        bar.step("reloaded")
+    return same
+
+
+def _print_extension_table(runs: dict[str, dict], labels: tuple[str, ...], trained: int) -> None:
+    print(f"\nPerplexity of the first window of typing.py+argparse.py+tarfile.py (trained length {trained:,}; "
+          f"'past {trained:,}': only the predictions beyond it count):\n")
+    print(f"| {'tokens':>8} | {'scored':<11} | {'no scaling':>11} | {'yarn 32k':>9} |")
+    print(f"|{'-' * 10}|{'-' * 13}|{'-' * 13}|{'-' * 11}|")
+    for plain, yarn in zip(runs[labels[0]]["perplexity"], runs[labels[1]]["perplexity"], strict=True):
+        scored = "all" if plain["mode"] == "windows" else f"past {trained:,}"
+        print(f"| {plain['length']:>8,} | {scored:<11} | {plain['perplexity']:>11.2f} | {yarn['perplexity']:>9.2f} |")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -182,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extension-lengths", nargs="*", type=int, default=[4096, 12288],
                         help="window lengths for the context-extension part (none: skip it)")
     parser.add_argument("--output", default="outputs/demo", help="where the plot and the extended model go")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars or progress lines on stderr (results still go to stdout)")
     args = parser.parse_args(argv)
     _check_args(args)
-    run(tuple(args.schemes), args.length, args.checkpoint, tuple(args.extension_lengths), Path(args.output))
+    run(tuple(args.schemes), args.length, args.checkpoint, tuple(args.extension_lengths), Path(args.output),
+        progress=not args.no_progress)
     return 0

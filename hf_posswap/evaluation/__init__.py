@@ -19,6 +19,7 @@ from .checks import check_causal, check_lengths_fit, check_results_output, check
 from .corpora import CORPORA, corpus_text, text_digest
 from .passkey import PasskeyResult, passkey_accuracy, passkey_prompt, shortest_passkey_length
 from .perplexity import MODES, PerplexityResult, perplexity, plan_windows
+from .progress import Progress
 from .tokenizer import BYTE_VOCAB_SIZE, byte_tokenizer
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "MODES",
     "PasskeyResult",
     "PerplexityResult",
+    "Progress",
     "corpus_text",
     "byte_tokenizer",
     "evaluate",
@@ -56,7 +58,9 @@ def evaluate(
     """Perplexity at each length and mode, and passkey accuracy by length x depth; optionally written as JSON.
 
     Every setting is checked before the first forward pass (an impossible one never costs finished results).
-    ``max_windows``: windows per length; ``None`` or 0 means all of them (as the CLI's ``--max-windows 0``)."""
+    ``max_windows``: windows per length; ``None`` or 0 means all of them (as the CLI's ``--max-windows 0``).
+    ``progress``: report each window and passkey trial on stderr, with the elapsed time and an ETA (a bar on a
+    terminal, plain lines elsewhere); ``False`` for silent library use."""
     check_settings(lengths, modes, stride, tail_from, max_windows, passkey_lengths, depths, trials)
     if output is not None:
         check_results_output(output, flag="output")
@@ -78,8 +82,10 @@ def evaluate(
             result = perplexity(model, token_ids, length, mode, stride, tail_from, max_windows or None, progress)
             results["perplexity"].append(dataclasses.asdict(result))
     for length in passkey_lengths:
-        for depth in depths:
-            results["passkey"].append(dataclasses.asdict(passkey_accuracy(model, tokenizer, length, depth, trials)))
+        with Progress(f"passkey at {length} tokens", len(depths) * trials, unit="trial", enabled=progress) as bar:
+            for depth in depths:
+                result = passkey_accuracy(model, tokenizer, length, depth, trials, progress=bar)
+                results["passkey"].append(dataclasses.asdict(result))
     if output is not None:
         from ..persistence.saving import write_file_atomic
 

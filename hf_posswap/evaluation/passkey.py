@@ -3,13 +3,16 @@ in filler text; the model must repeat it. Fully seeded."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..errors import InvalidConfigError
+from .progress import Progress
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 QUESTION = "What is the pass key? The pass key is"
@@ -61,18 +64,41 @@ def _check_passkey(length: int, depth: float, trials: int = 1) -> None:
 
 @torch.no_grad()
 def passkey_accuracy(
-    model: nn.Module, tokenizer, length: int, depth: float, trials: int = 5, seed: int = 0, filler: str = FILLER
+    model: nn.Module,
+    tokenizer,
+    length: int,
+    depth: float,
+    trials: int = 5,
+    seed: int = 0,
+    filler: str = FILLER,
+    progress: bool | Progress = False,
 ) -> PasskeyResult:
-    """Share of trials whose greedy continuation starts with the key (keys drawn from ``seed``)."""
+    """Share of trials whose greedy continuation starts with the key (keys drawn from ``seed``).
+
+    ``progress``: ``True`` reports the trials on stderr; a :class:`Progress` (``evaluate`` passes one for all depths
+    of a length) is moved on by one step per trial."""
     _check_passkey(length, depth, trials)
     rng = random.Random(seed * 1_000_003 + length * 101 + int(depth * 1000))
     correct = 0
     device = next(model.parameters()).device
-    for _ in range(trials):
-        key = f"{rng.randrange(10_000, 100_000)}"
-        prompt = passkey_prompt(tokenizer, length, depth, key, filler).to(device)
-        correct += _greedy_finds_key(model, tokenizer, prompt, key)
+    with _trial_progress(progress, length, depth, trials) as bar, bar.watch(model):
+        for _ in range(trials):
+            key = f"{rng.randrange(10_000, 100_000)}"
+            prompt = passkey_prompt(tokenizer, length, depth, key, filler).to(device)
+            correct += _greedy_finds_key(model, tokenizer, prompt, key)
+            bar.step(f"depth {depth:.0%}")
     return PasskeyResult(length, depth, correct / trials, trials)
+
+
+@contextlib.contextmanager
+def _trial_progress(progress: bool | Progress, length: int, depth: float, trials: int) -> Iterator[Progress]:
+    """The caller's ``Progress`` (left open: it spans more than this call), or a new one for these trials."""
+    if isinstance(progress, Progress):
+        yield progress
+        return
+    with Progress(f"passkey at {length} tokens, depth {depth:.0%}", trials, unit="trial",
+                  enabled=bool(progress)) as bar:
+        yield bar
 
 
 def _greedy_finds_key(model: nn.Module, tokenizer, prompt: torch.Tensor, key: str) -> bool:

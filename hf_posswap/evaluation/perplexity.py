@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..errors import InvalidConfigError
+from .progress import Progress
 
 MODES = ("windows", "sliding", "tail")
 
@@ -21,17 +23,33 @@ class PerplexityResult:
     nll: float
     tokens: int
     windows: int
+    tail_from: int | None = None  # tail mode: the first scored position
 
 
 @torch.no_grad()
 def window_nll(model: nn.Module, window: torch.Tensor, first_scored: int) -> tuple[float, int]:
     """Sum of next-token NLL over the targets at positions >= ``first_scored`` (1-based target positions in the
     window: target i is predicted from tokens < i). window [L] -> (sum NLL, count)."""
-    logits = model(input_ids=window[None]).logits[0, :-1].float()  # [L-1, vocab]
+    return window_nlls(model, window, (first_scored,))[0]
+
+
+@torch.no_grad()
+def window_nlls(model: nn.Module, window: torch.Tensor, first_scored: Sequence[int]) -> list[tuple[float, int]]:
+    """``window_nll`` for several first scored positions from one forward pass (e.g. the whole window and only the
+    positions past the trained length): window [L] -> [(sum NLL, count) per entry of ``first_scored``]."""
+    logits = model(input_ids=window[None]).logits[0, :-1]  # [L-1, vocab]
     targets = window[1:]
-    start = max(first_scored - 1, 0)
-    nll = nn.functional.cross_entropy(logits[start:], targets[start:], reduction="sum")
-    return float(nll), int(targets[start:].numel())
+    return [_nll_sum(logits, targets, max(first - 1, 0)) for first in first_scored]
+
+
+def _nll_sum(logits: torch.Tensor, targets: torch.Tensor, start: int, chunk: int = 4096) -> tuple[float, int]:
+    """(sum of NLL, count) of ``targets[start:]``, a chunk of rows at a time: a float32 log-softmax of 12k tokens
+    over a 49k vocabulary would take another 2.4 GB at once."""
+    total = 0.0
+    for first in range(start, targets.numel(), chunk):
+        rows = slice(first, first + chunk)
+        total += float(nn.functional.cross_entropy(logits[rows].float(), targets[rows], reduction="sum"))
+    return total, max(targets.numel() - start, 0)
 
 
 def perplexity(
@@ -51,6 +69,8 @@ def perplexity(
       previous one, so every token is predicted with up to ``length - stride`` tokens of context.
     - ``tail``: non-overlapping windows; only predictions of positions >= ``tail_from`` count (default: the
       model's trained length), so early tokens do not flatter long-context numbers.
+
+    ``progress``: report the windows on stderr (a bar on a terminal, plain lines elsewhere).
     """
     starts, first_scored = plan_windows(model, token_ids, length, mode, stride, tail_from)
     if max_windows is not None and (isinstance(max_windows, bool) or not isinstance(max_windows, int)
@@ -59,18 +79,17 @@ def perplexity(
     if max_windows:
         starts, first_scored = starts[:max_windows], first_scored[:max_windows]
     total, count = 0.0, 0
-    iterator = zip(starts, first_scored, strict=True)
-    if progress:
-        from tqdm.auto import tqdm
-
-        iterator = tqdm(list(iterator), desc=f"ppl@{length} ({mode})", leave=False)
-    for start, first in iterator:
-        nll, scored = window_nll(model, token_ids[start : start + length].to(_device(model)), first)
-        total, count = total + nll, count + scored
+    with Progress(f"perplexity at {length} tokens ({mode})", len(starts), unit="window", enabled=progress) as bar, \
+            bar.watch(model):
+        for start, first in zip(starts, first_scored, strict=True):
+            nll, scored = window_nll(model, token_ids[start : start + length].to(_device(model)), first)
+            total, count = total + nll, count + scored
+            bar.step()
     if count == 0:
         raise InvalidConfigError(f"No token was scored at length {length} ({mode}); use a longer text or length.")
     mean = total / count
-    return PerplexityResult(length, mode, math.exp(mean), mean, count, len(starts))
+    tail_from = first_scored[0] if mode == "tail" else None
+    return PerplexityResult(length, mode, math.exp(mean), mean, count, len(starts), tail_from)
 
 
 def plan_windows(

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,27 +23,109 @@ def _pyplot():
     return plt
 
 
+MEASURES = {"windows": "whole window", "sliding": "sliding window", "tail": "past the trained length only"}
+_STYLES = {"windows": ("-", "o"), "sliding": (":", "^"), "tail": ("--", "s")}
+
+
+class EmptyRunWarning(UserWarning):
+    """A run that has nothing to draw in a picture (no rows of the chosen measure, or none with a finite,
+    positive perplexity); it is left out of the picture."""
+
+
 def plot_perplexity(
     runs: Mapping[str, dict[str, Any]],
     path: str | os.PathLike[str],
-    mode: str = "windows",
+    mode: str | None = "windows",
     trained_length: int | None = None,
     title: str = "Perplexity against context length",
 ) -> Path:
-    """One line per run (label -> ``evaluate`` results) of perplexity against length, log scales (``mode="mixed"``
-    takes every row whatever its mode)."""
+    """Write :func:`perplexity_figure` to ``path`` (PNG, PDF, SVG or JPEG by its suffix)."""
+    return _save(perplexity_figure(runs, mode, trained_length, title), path)
+
+
+def perplexity_figure(
+    runs: Mapping[str, dict[str, Any]],
+    mode: str | None = "windows",
+    trained_length: int | None = None,
+    title: str = "Perplexity against context length",
+):
+    """Perplexity against length, one line per run (label -> ``evaluate`` results) and measure: ``mode`` draws the
+    rows of that measure ("windows", "sliding", "tail"); ``None`` (or "mixed") draws every measure the runs hold,
+    each as its own labelled line, never joined. A run with nothing to draw is left out with an
+    :class:`EmptyRunWarning`; when no run has anything, the picture is refused."""
+    from ..errors import InvalidConfigError
+
     plt = _pyplot()
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    for label, results in runs.items():
-        rows = sorted((r for r in results["perplexity"] if mode == "mixed" or r["mode"] == mode),
-                      key=lambda r: r["length"])
-        axis.plot([r["length"] for r in rows], [r["perplexity"] for r in rows], marker="o", label=label)
+    measures = list(MEASURES) if mode in (None, "mixed") else [mode]
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawable = {label: {m: _points(results, m) for m in measures} for label, results in runs.items()}
+    if not any(points for lines in drawable.values() for points in lines.values()):
+        raise InvalidConfigError(f"No run has {' or '.join(measures)} perplexity rows with a finite, positive value: "
+                                 "nothing to draw; check the results files (hf-posswap eval --output).")
+    figure, axis = plt.subplots(figsize=(7.5, 4.8))
+    lengths, values = set(), []
+    for index, (label, lines) in enumerate(drawable.items()):
+        if not any(lines.values()):
+            warnings.warn(f"Run {label!r} has no {' or '.join(measures)} perplexity rows with a finite, positive "
+                          "value; it is left out of the picture.", EmptyRunWarning, stacklevel=3)
+        for measure, points in lines.items():
+            if points:
+                style, marker = _STYLES[measure]
+                name = label if len(measures) == 1 else f"{label}: {_measure_name(measure, [runs[label]])}"
+                axis.plot(*zip(*points, strict=True), linestyle=style, marker=marker, label=name,
+                          color=colours[index % len(colours)])
+                lengths.update(n for n, _ in points)
+                values.extend(v for _, v in points)
     if trained_length:
-        axis.axvline(trained_length, color="grey", linestyle="--", linewidth=1, label="trained length")
-    axis.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel=f"perplexity ({mode})", title=title)
-    axis.grid(True, which="both", alpha=0.3)
+        axis.axvline(trained_length, color="grey", linestyle="--", linewidth=1,
+                     label=f"trained length ({trained_length:,})")
+    ylabel = "perplexity" if len(measures) > 1 else f"perplexity ({_measure_name(measures[0], runs.values())})"
+    axis.set(xlabel="context length (tokens)", ylabel=ylabel, title=title)
+    _plain_length_axis(axis, sorted(lengths | ({trained_length} if trained_length else set())))
+    _plain_value_axis(axis, min(values), max(values))
+    axis.grid(True, which="major", alpha=0.3)
     axis.legend()
-    return _save(figure, path)
+    return figure
+
+
+def _points(results: dict[str, Any], mode: str) -> list[tuple[float, float]]:
+    """(length, perplexity) of the rows of ``mode`` that a log axis can show, sorted by length."""
+    rows = [r for r in results.get("perplexity", []) if r.get("mode") == mode]
+    return sorted((r["length"], r["perplexity"]) for r in rows
+                  if math.isfinite(r["perplexity"]) and r["perplexity"] > 0 and r["length"] > 0)
+
+
+def _measure_name(mode: str, runs: Iterable[dict[str, Any]]) -> str:
+    """What the rows of ``mode`` measured; for tail rows the first scored position when they all agree on it."""
+    starts = {r.get("tail_from") for results in runs for r in results.get("perplexity", []) if r.get("mode") == mode}
+    if mode == "tail" and len(starts) == 1 and _number(next(iter(starts))):
+        return f"positions past {next(iter(starts)):,} only"
+    return MEASURES[mode]
+
+
+def _plain_length_axis(axis, lengths: list[int]) -> None:
+    """Lengths on a log axis (they usually double) with a plain tick at each one (4,096 rather than 10^3.6)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    if len(lengths) > 1 and lengths[-1] / lengths[0] >= 4:
+        axis.set_xscale("log")
+        axis.xaxis.set_minor_locator(NullLocator())
+    axis.xaxis.set_major_locator(FixedLocator(lengths))
+    axis.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
+    if len(lengths) > 6:
+        axis.tick_params(axis="x", labelrotation=45)
+
+
+def _plain_value_axis(axis, low: float, high: float) -> None:
+    """Perplexity: a linear axis when the values are within a factor of 10, else a log axis at 1-2-5 steps; the
+    labels are plain numbers either way."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    if high / low >= 10:
+        axis.set_yscale("log")
+        axis.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.yaxis.set_minor_formatter(NullFormatter())
+    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.4g}"))
 
 
 def plot_passkey(results: dict[str, Any], path: str | os.PathLike[str], title: str = "Passkey retrieval") -> Path:
@@ -87,8 +171,12 @@ def position_pictures(model: nn.Module, directory: str | os.PathLike[str], lengt
         return [_cosine_matrix(vectors, directory / "absolute_cosine.png")]
     if kind == "bias":
         positions = torch.arange(length)
-        bias = module(positions, positions, 0, adapter.spec(model).is_causal)[0].float().detach()
-        return [_bias_heads(bias, directory / "bias_per_head.png", state.config.name)]
+        causal = adapter.spec(model).is_causal
+        bias = module(positions, positions, 0, causal)[0].float().detach()  # [H, L, L]
+        tables = getattr(module, "tables", None)  # T5: one table shared by all layers, or one per layer
+        where = f", layer 0 of {len(tables)}" if tables is not None and len(tables) > 1 else ""
+        figure = bias_figure(bias, f"{state.config.name}{where}", causal)
+        return [_save(figure, directory / "bias_per_head.png")]
     if kind == "rotary" or adapter.rotary_module_path:
         return [_rope_curve(model, adapter, directory / "rope_qk_vs_distance.png", length)]
     return []
@@ -101,24 +189,51 @@ def _cosine_matrix(vectors: torch.Tensor, path: Path) -> Path:
     figure, axis = plt.subplots(figsize=(5.5, 4.5))
     image = axis.imshow(distance.numpy(), cmap="viridis")
     axis.set(xlabel="position", ylabel="position", title="cosine distance between position vectors")
-    figure.colorbar(image, ax=axis)
+    figure.colorbar(image, ax=axis, label="cosine distance (1 - cosine similarity)")
     return _save(figure, path)
 
 
-def _bias_heads(bias: torch.Tensor, path: Path, scheme: str) -> Path:
+ZERO_BIAS_NOTE = "all zero: the tables are zero until trained\n(the bias adds nothing yet; fine-tune the model first)"
+
+
+def bias_figure(bias: torch.Tensor, scheme: str, causal: bool):
+    """The logit bias of each head, bias [H, L, L] (query x key), on one colour scale shared by all heads (so
+    heads compare by colour) with a labelled colour bar; a causal model's future keys (key > query) are masked,
+    since attention never sees them; an all-zero bias says so on the figure."""
+    import numpy as np
+
     plt = _pyplot()
-    heads = bias.shape[0]
-    columns = min(heads, 4)
-    rows = -(-heads // columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(3 * columns, 3 * rows), squeeze=False)
-    for head in range(rows * columns):
-        axis = axes[head // columns][head % columns]
-        axis.axis("off")
-        if head < heads:
-            axis.imshow(bias[head].numpy(), cmap="magma")
-            axis.set_title(f"head {head}")
-    figure.suptitle(f"{scheme} logit bias (query x key)")
-    return _save(figure, path)
+    heads, length = bias.shape[0], bias.shape[-1]
+    columns = math.ceil(math.sqrt(heads))
+    rows = math.ceil(heads / columns)
+    future = np.triu(np.ones((length, length), dtype=bool), k=1) if causal else np.zeros((length, length), bool)
+    shown = np.ma.masked_array(bias.numpy(), mask=np.broadcast_to(future, bias.shape))  # [H, L, L]
+    low, high = float(shown.min()), float(shown.max())
+    if low == high:  # a constant bias (zero tables): any range around it
+        low, high = low - 1.0, high + 1.0
+    norm = plt.Normalize(vmin=low, vmax=high)
+    cmap = plt.get_cmap("viridis").with_extremes(bad="0.88")  # masked future: light grey
+    figure, axes = plt.subplots(rows, columns, figsize=(2.6 * columns + 1.4, 2.6 * rows + 0.9), squeeze=False,
+                                layout="constrained")
+    for head, axis in enumerate(axes.flat):
+        if head >= heads:
+            axis.set_visible(False)
+            continue
+        image = axis.imshow(shown[head], cmap=cmap, norm=norm, interpolation="nearest")
+        lowest, highest = (float(v) + 0.0 for v in (shown[head].min(), shown[head].max()))  # + 0.0: no "-0"
+        axis.set_title(f"head {head}: {lowest:.3g} to {highest:.3g}", fontsize=9)
+        axis.tick_params(labelsize=7)
+        if head % columns == 0:
+            axis.set_ylabel("query position")
+        if head // columns == rows - 1 or head + columns >= heads:
+            axis.set_xlabel("key position")
+    figure.colorbar(image, ax=axes.ravel().tolist(), label="bias added to the attention logit", shrink=0.9)
+    masked = "; future keys (key > query) masked: causal" if causal else ""
+    figure.suptitle(f"{scheme} logit bias per head, query x key, {length} positions{masked}")
+    if not shown.any():
+        figure.text(0.5, 0.5, ZERO_BIAS_NOTE, ha="center", va="center", fontsize=13,
+                    bbox={"facecolor": "white", "edgecolor": "black", "alpha": 0.9})
+    return figure
 
 
 def _rope_curve(model: nn.Module, adapter, path: Path, length: int) -> Path:
@@ -151,7 +266,8 @@ def _rope_curve(model: nn.Module, adapter, path: Path, length: int) -> Path:
 def _save(figure, path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
+    if figure.get_layout_engine() is None:
+        figure.tight_layout()
     import io
 
     from ..persistence.saving import write_file_atomic
