@@ -1,26 +1,246 @@
-"""The README cannot drift: its support matrix is the registries' and its test command is CI's."""
+"""The README cannot drift: every ```python and ```bash block in it runs (or is listed below with the reason it
+cannot), every `hf-posswap` command in it parses with the real command-line parsers, every `python scripts/...`
+command names a script and options that exist, every link points to a file in the repository, and its support
+matrix is the registries'.
+
+Blocks run in a fresh working directory holding tiny stand-ins at the paths the README names (``STAND_INS``); the
+README text is executed as written except for the training budgets in ``BUDGET`` (500 optimizer steps are minutes
+even on a tiny model; the options themselves are all exercised).
+"""
 
 from __future__ import annotations
 
+import argparse
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from conftest import save_tiny_checkpoint, write_corpus
+
 ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+# Paths the README's examples name, and the tiny stand-in the test puts there: a family for save_tiny_checkpoint,
+# or "corpus" for a directory of text files.
+STAND_INS = {
+    "path/to/checkpoint": "llama",  # the first snippet: any causal LM
+    "path/to/llama-like": "llama",  # Extending context: a LLaMA-like model
+    "path/to/gpt2": "gpt2",  # Extending context: a GPT-2 swapped to RoPE with YaRN
+    "ckpt": "llama",  # Measuring, Fine-tuning
+    "out/final": "llama",  # Measuring: a fine-tuned model
+    "corpus": "corpus",  # Fine-tuning: 'corpus/*.txt'
+}
+
+# Training budgets shortened for the test: (README text, text run instead).
+BUDGET = [("--steps 500", "--steps 2"), ("steps=500", "steps=2")]
+
+# Commands in the README that no test can run, with the reason.
+NOT_RUN = {
+    "bash scripts/demo.sh": "creates a virtual environment and runs SmolLM2 for minutes (run by hand; the demo's "
+                            "steps are tested in tests/test_real_checkpoints.py)",
+    "bash scripts/test.sh": "is CI itself (.ci/run runs exactly this)",
+    "accelerate launch": "needs two processes; tests/test_finetune.py launches the same module with torchrun",
+}
+
+
+def readme() -> str:
+    return README.read_text(encoding="utf-8")
+
+
+def code_blocks(text: str, language: str) -> list[tuple[int, str]]:
+    """(line number, code) of every fenced block of ``language``."""
+    blocks, current, start = [], None, 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if current is None and line.strip() == f"```{language}":
+            current, start = [], number + 1
+        elif current is not None and line.strip() == "```":
+            blocks.append((start, "\n".join(current)))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def shell_commands(block: str) -> list[list[str]]:
+    """One argv per command: backslash continuations joined, comments dropped."""
+    return [words for line in block.replace("\\\n", " ").splitlines() if (words := shlex.split(line, comments=True))]
+
+
+def not_run_reason(argv: list[str]) -> str | None:
+    line = " ".join(argv)
+    return next((reason for prefix, reason in NOT_RUN.items() if line.startswith(prefix)), None)
+
+
+def cli_commands() -> list[list[str]]:
+    """Every `hf-posswap ...` command of the README's bash blocks, without the program name."""
+    return [argv[1:] for _, block in code_blocks(readme(), "bash") for argv in shell_commands(block)
+            if argv[0] == "hf-posswap"]
+
+
+def with_budget(text: str) -> str:
+    for written, run in BUDGET:
+        text = text.replace(written, run)
+    return text
+
+
+def make_stand_ins(directory: Path, block: str) -> None:
+    """A tiny stand-in at every path of ``STAND_INS`` that ``block`` names (and only those: a block may write into
+    a directory another block reads)."""
+    for path, kind in STAND_INS.items():
+        if path not in block:
+            continue
+        target = directory / path
+        target.mkdir(parents=True)
+        if kind == "corpus":
+            write_corpus(target, documents=8)
+        else:
+            save_tiny_checkpoint(kind, target)
+
+
+# --- the blocks are what the tests below run ---------------------------------------------------------------------
+
+
+def test_every_shell_command_in_the_readme_is_run_here_or_listed_with_its_reason() -> None:
+    commands = [argv for _, block in code_blocks(readme(), "bash") for argv in shell_commands(block)]
+    assert len(commands) >= 8, "the README's bash blocks were not found"
+    unknown = [" ".join(argv) for argv in commands if argv[0] != "hf-posswap" and not_run_reason(argv) is None]
+    assert not unknown, f"commands this test neither runs nor lists in NOT_RUN: {unknown}"
+    used = {prefix for prefix in NOT_RUN for argv in commands if " ".join(argv).startswith(prefix)}
+    assert used == set(NOT_RUN), f"NOT_RUN lists commands the README no longer shows: {set(NOT_RUN) - used}"
+
+
+class _Parsed(Exception):  # noqa: N818  (a signal, not an error)
+    """Raised by the patched parser once a subcommand's arguments are parsed: nothing after parsing runs."""
+
+    def __init__(self, prog: str, namespace: argparse.Namespace) -> None:
+        super().__init__(prog)
+        self.prog, self.namespace = prog, namespace
+
+
+def parse_only(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
+    """``hf-posswap ARGV`` through the CLI's own ``main`` and parsers, stopped right after the subcommand's options
+    are parsed (nothing is loaded or written); returns what its parser produced."""
+    from hf_posswap.cli.main import main
+
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_and_stop(self, args=None, namespace=None):
+        parsed = original(self, args, namespace)
+        if self.prog.split()[-1] == argv[0]:
+            raise _Parsed(self.prog, parsed)
+        return parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+    with pytest.raises(_Parsed) as parsed:
+        main(list(argv))
+    assert parsed.value.prog == f"hf-posswap {argv[0]}"
+    return parsed.value.namespace
+
+
+@pytest.mark.parametrize("argv", cli_commands(), ids=lambda argv: " ".join(argv)[:60])
+def test_every_cli_command_in_the_readme_parses(argv, monkeypatch) -> None:
+    args = parse_only(argv, monkeypatch)
+    if argv[0] == "eval":  # and passes the check eval makes before loading (it once asked for tail_from > length)
+        from hf_posswap.evaluation.checks import check_settings
+
+        check_settings(args.lengths, args.mode, args.stride, args.tail_from, args.max_windows, args.passkey_lengths,
+                       args.depths, args.trials)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("line", "block"), code_blocks(readme(), "bash"), ids=lambda value: str(value)[:8])
+def test_readme_bash_block_runs_on_tiny_models(line, block, tmp_path, monkeypatch, capsys) -> None:
+    """Every `hf-posswap` command of one block, in order, in-process, on the stand-ins."""
+    from hf_posswap.cli.main import main
+
+    make_stand_ins(tmp_path, block)
+    monkeypatch.chdir(tmp_path)
+    for argv in shell_commands(with_budget(block)):
+        if not_run_reason(argv) is not None:
+            continue
+        code = main(argv[1:])
+        assert code == 0, f"README line {line}: `{' '.join(argv)}` exited {code}: {capsys.readouterr().err[-2000:]}"
+
+
+def python_blocks() -> list:
+    """The README's python blocks; those that train a model are slow."""
+    return [pytest.param(line, block, marks=[pytest.mark.slow] if "finetune(" in block else [], id=f"line{line}")
+            for line, block in code_blocks(readme(), "python")]
+
+
+@pytest.mark.parametrize(("line", "block"), python_blocks())
+def test_readme_python_block_runs_on_tiny_models(line, block, tmp_path, monkeypatch) -> None:
+    make_stand_ins(tmp_path, block)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(with_budget(block), f"README.md, block at line {line}", "exec"), {"__name__": "__readme__"})
+
+
+def test_readme_blocks_are_found() -> None:
+    text = readme()
+    assert len(code_blocks(text, "python")) >= 3 and len(code_blocks(text, "bash")) >= 3
+    assert sum(block.count("```") for _, block in code_blocks(text, "python")) == 0
+
+
+# --- commands in the running text, links ------------------------------------------------------------------------
+
+
+def test_script_commands_in_the_readme_name_scripts_and_options_that_exist() -> None:
+    commands = re.findall(r"`python (scripts/[\w./-]+\.py)((?: --?[\w-]+(?: [\w.=/-]+)*)*)`", readme())
+    assert len(commands) >= 4
+    for script, options in commands:
+        source = (ROOT / script).read_text(encoding="utf-8")
+        for option in re.findall(r"--[\w-]+", options):
+            assert f'"{option}"' in source, f"README: `python {script}{options}`: {script} has no {option} option"
+
+
+def test_links_in_the_readme_point_into_the_repository() -> None:
+    text = readme()
+    assert "../shared" not in text, "README points outside the repository"
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert any(link.startswith("docs/benchmarks.md") for link in links)
+    for link in links:
+        if link.startswith(("http://", "https://", "#")):
+            continue
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.exists(), f"README links to {link}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(encoding="utf-8"), re.MULTILINE)
+            assert anchor in {_anchor(heading) for heading in headings}, f"README links to a missing heading: {link}"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+# --- generated sections and the CLI's answers --------------------------------------------------------------------
 
 
 def test_support_matrix_in_readme_is_generated_from_the_registries() -> None:
+    from hf_posswap.cli.matrix import support_matrix_markdown
+
+    section = readme().split("<!-- support-matrix:start -->\n", 1)[1].split("\n<!-- support-matrix:end -->", 1)[0]
+    assert section == support_matrix_markdown(), "README's matrix is stale: run python scripts/support_matrix.py"
+
+
+@pytest.mark.slow
+def test_support_matrix_script_checks_the_readme() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "support_matrix.py"), "--check"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
 def test_ci_runs_the_readme_test_command() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "bash scripts/test.sh" in readme and "bash scripts/demo.sh" in readme
+    text = readme()
+    assert "bash scripts/test.sh" in text and "bash scripts/demo.sh" in text
     assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
 
 
+@pytest.mark.slow
 def test_cli_lists_the_matrix() -> None:
     result = subprocess.run([sys.executable, "-m", "hf_posswap", "schemes"], capture_output=True, text=True)
     assert result.returncode == 0 and "| `gpt2` |" in result.stdout
@@ -35,9 +255,8 @@ def test_cli_unknown_command_is_one_clear_line() -> None:
     )
 
 
+@pytest.mark.slow
 def test_cli_swap_and_extend(tmp_path) -> None:
-    from conftest import save_tiny_checkpoint
-
     save_tiny_checkpoint("gpt2", tmp_path / "model")
     swap = subprocess.run([sys.executable, "-m", "hf_posswap", "swap", "--model", str(tmp_path / "model"), "--scheme",
                            "rope", "--option", "rope_theta=500", "--output", str(tmp_path / "rope")],
