@@ -126,3 +126,55 @@ def write_corpus(directory, documents: int = 40) -> list[str]:
         path.write_text(topics[name][:4000], encoding="utf-8")
         paths.append(str(path))
     return paths
+
+
+# --- the default run: a fast suite -------------------------------------------------------------------------------
+# `pytest` runs `-m 'not slow'` (pyproject.toml); CI runs everything (`-m "slow or not slow"`). Whole tests that start
+# subprocesses, train, or load real checkpoints carry @pytest.mark.slow in their files. Parametrized matrices are cut
+# here: the default run keeps the ids below (together every family, every scheme and both RoPE placements), the
+# others are marked slow, so a broken area still fails in the fast run and the full matrix runs in CI.
+DIAGONAL = {"gpt2-learned", "gpt2-rope", "bert-alibi", "bert-sinusoidal", "llama-t5", "llama-none"}
+FAST_SUBSET = {
+    "test_matrix.py::test_forward_backward": DIAGONAL,
+    "test_matrix.py::test_eager_matches_sdpa": DIAGONAL,
+    "test_matrix.py::test_cached_generation_equals_recompute": {"sdpa-gpt2-rope", "eager-llama-t5"},
+    "test_matrix.py::test_static_cache_equals_dynamic": {"llama-alibi"},
+    "test_matrix.py::test_left_padded_generation_equals_rows_alone": {"llama-alibi"},
+    "test_matrix.py::test_left_padded_forward_equals_rows_alone": {"gpt2-rope", "bert-alibi", "llama-t5"},
+    "test_matrix.py::test_inputs_longer_than_trained_length": {"gpt2-sinusoidal", "bert-alibi", "llama-t5"},
+    "test_matrix.py::test_output_attentions_include_the_scheme": {"gpt2-rope", "bert-t5", "llama-alibi"},
+    "test_matrix.py::test_explicit_position_ids_reach_attention": {"bert-rope", "llama-t5"},
+    "test_call_paths.py::test_every_call_path_runs_the_scheme": DIAGONAL,
+    "test_call_paths.py::test_cached_generation_equals_uncached_for_every_scheme": {"llama-alibi-beams"},
+    "test_call_paths.py::test_cached_generation_equals_uncached_past_the_original_length": {"gpt2-yarn-greedy"},
+    "test_call_paths.py::test_gradient_checkpointing_trains_position_parameters": {"reentrant-llama-t5"},
+    "test_identity.py::test_unswap_restores_exactly": DIAGONAL,
+    "test_checkpoints.py::test_round_trip_through_auto_classes": DIAGONAL,
+    "test_issue9_checkpoints.py::test_reloaded_model_unswaps_to_the_native_structure": {"gpt2-rope", "bert-learned",
+                                                                                       "llama-t5"},
+    "test_issue9_checkpoints.py::test_reloaded_model_swaps_again_extends_and_saves": {"bert-t5"},
+    "test_issue9_checkpoints.py::test_sinusoidal_in_half_precision": {"bf16-llama"},
+    "test_extend.py::test_cached_generation_past_the_original_length": {"native-linear", "in-attention-yarn"},
+    "test_llama_like.py::test_llama_like_families": {"mistral-learned", "qwen2-t5", "qwen3-alibi"},
+    "test_review_core.py::test_removing_an_accelerate_hook_added_before_the_swap_keeps_the_scheme": {"llama-alibi"},
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark slow the matrix ids that ``FAST_SUBSET`` leaves out of the default run."""
+    seen: dict[str, set[str]] = {}
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        name = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+        if callspec is None or name not in FAST_SUBSET:
+            continue
+        seen.setdefault(name, set()).add(callspec.id)
+        if callspec.id not in FAST_SUBSET[name]:
+            item.add_marker(pytest.mark.slow)
+    if config.option.keyword or any("::" in arg for arg in config.args):
+        return  # only part of a matrix was asked for
+    for name, ids in seen.items():  # a renamed test id would silently leave the default run
+        if FAST_SUBSET[name] - ids:
+            raise pytest.UsageError(f"tests/conftest.py FAST_SUBSET names ids that {name} does not have: "
+                                    f"{sorted(FAST_SUBSET[name] - ids)}")

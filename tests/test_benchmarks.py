@@ -46,6 +46,7 @@ def test_training_examples_have_the_length_and_hold_the_answer() -> None:
         assert len(copy) == length and copy.startswith(f"{chunk}|{chunk}")
 
 
+@pytest.mark.slow
 def test_bench_tiny_writes_table_plot_and_readme_section(tmp_path) -> None:
     readme = tmp_path / "README.md"
     readme.write_text("# x\n<!-- bench-tiny:start -->\nold\n<!-- bench-tiny:end -->\nafter\n", encoding="utf-8")

@@ -117,6 +117,7 @@ def test_deepcopy_is_independent_and_can_be_unswapped(family: str, scheme: str) 
     pytest.param("llama", "t5", marks=pytest.mark.slow), ("gpt2", "rope"),
     pytest.param("bert", "alibi", marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_torch_compile_matches_eager(family: str, scheme: str) -> None:
     model = swapped(family, scheme)
     inputs = padded_inputs()
@@ -302,6 +303,7 @@ def _mean_pooled(model, tokenizer, sentences: list[str]) -> torch.Tensor:
     return (states * mask).sum(1) / mask.sum(1)
 
 
+@pytest.mark.slow
 def test_sentence_transformers_embeds_with_the_swapped_positions(tmp_path) -> None:
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel, AutoTokenizer

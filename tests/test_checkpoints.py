@@ -57,6 +57,7 @@ def test_extended_models_round_trip(tmp_path: Path, family: str, scheme: str, le
     assert torch.equal(logits(loaded, long_input), logits(model, long_input))
 
 
+@pytest.mark.slow
 def test_without_hf_posswap_a_swapped_checkpoint_refuses_to_load(tmp_path: Path) -> None:
     swapped("gpt2", "alibi").save_pretrained(tmp_path)
     script = textwrap.dedent(f"""

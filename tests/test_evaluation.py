@@ -169,6 +169,7 @@ def test_errors() -> None:
         perplexity(UniformModel(7), TOKENS, 50, "tail", tail_from=60)
 
 
+@pytest.mark.slow
 def test_evaluate_writes_json_and_the_cli_prints_it(tmp_path) -> None:
     save_tiny_checkpoint("llama", tmp_path / "model")
     from transformers import AutoModelForCausalLM
@@ -199,6 +200,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
                                                            ("bert", "t5", "bias_per_head.png"),
                                                            ("llama", None, "rope_qk_vs_distance.png"),
                                                            ("gpt2", "rope", "rope_qk_vs_distance.png")])
+@pytest.mark.slow
 def test_inspect_cli_draws_the_scheme(tmp_path, family, scheme, picture) -> None:
     save_tiny_checkpoint(family, tmp_path / "model")
     command = [sys.executable, "-m", "hf_posswap", "inspect", "--model", str(tmp_path / "model"), "--length", "48",
@@ -208,6 +210,7 @@ def test_inspect_cli_draws_the_scheme(tmp_path, family, scheme, picture) -> None
     assert (tmp_path / "pictures" / picture).read_bytes().startswith(PNG)
 
 
+@pytest.mark.slow
 def test_plot_cli(tmp_path) -> None:
     results = {"perplexity": [{"length": n, "mode": "windows", "perplexity": p} for n, p in ((64, 9.0), (128, 20.0))],
                "passkey": [{"length": n, "depth": d, "accuracy": a} for n in (64, 128) for d, a in ((0.0, 1.0),

@@ -39,6 +39,7 @@ def load_without_hf_posswap(directory: Path, data: Path, auto: str) -> str:
 @pytest.mark.parametrize(("family", "scheme", "extend"), [("gpt2", "alibi", 200), ("llama", "t5", None),
                                                           ("bert", "rope", None), ("llama", "rope", None)],
                          ids=["gpt2-alibi-extended", "llama-t5", "bert-rope", "llama-self-extend"])
+@pytest.mark.slow
 def test_standalone_checkpoint_loads_without_hf_posswap(tmp_path: Path, family, scheme, extend) -> None:
     model = swapped(family, scheme)
     if extend:
@@ -57,6 +58,7 @@ def test_standalone_checkpoint_loads_without_hf_posswap(tmp_path: Path, family, 
     assert "EQUAL" in load_without_hf_posswap(tmp_path / "export", tmp_path / "io.pt", auto)
 
 
+@pytest.mark.slow
 def test_export_cli(tmp_path: Path) -> None:
     model = swapped("gpt2", "t5")
     model.save_pretrained(tmp_path / "saved")

@@ -150,6 +150,7 @@ def test_extending_twice_composes_from_the_original_length() -> None:
     assert model.config.rope_parameters == {"rope_type": "default", "rope_theta": 10_000.0}
 
 
+@pytest.mark.slow
 def test_extended_llama_checkpoints_reload_in_vanilla_transformers(tmp_path: Path) -> None:
     cases = {}
     for method in METHODS:

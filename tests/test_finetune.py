@@ -49,6 +49,7 @@ def losses(output: Path) -> list[float]:
 @pytest.mark.parametrize(("family", "scheme", "auto"), [("gpt2", "alibi", AutoModelForCausalLM),
                                                         ("bert", "t5", AutoModelForMaskedLM),
                                                         ("llama", "sinusoidal", AutoModelForCausalLM)])
+@pytest.mark.slow
 def test_full_finetune_learns_and_saves_a_reloadable_model(workspace, tmp_path, family, scheme, auto) -> None:
     result = run(workspace, family, tmp_path, scheme=scheme, steps=10)
     curve = losses(tmp_path)
@@ -120,6 +121,7 @@ DRIVER = textwrap.dedent("""
     """)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_where_it_stopped(workspace, tmp_path) -> None:
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
@@ -137,6 +139,7 @@ def test_killed_run_resumes_where_it_stopped(workspace, tmp_path) -> None:
     assert resumed == pytest.approx(straight, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_a_crash_during_a_save_keeps_the_last_good_checkpoint(workspace, tmp_path, monkeypatch) -> None:
     run(workspace, "gpt2", tmp_path, scheme="alibi", steps=3, save_every=3)
     good = latest_checkpoint(tmp_path)
@@ -157,6 +160,7 @@ def test_a_crash_during_a_save_keeps_the_last_good_checkpoint(workspace, tmp_pat
     assert (good / "trainer_state.json").exists()
 
 
+@pytest.mark.slow
 def test_two_processes_train_data_parallel(workspace, tmp_path) -> None:
     script = tmp_path / "two.py"
     script.write_text(textwrap.dedent(f"""
@@ -188,6 +192,7 @@ def test_two_processes_train_data_parallel(workspace, tmp_path) -> None:
     assert (tmp_path / "out" / "final" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_hf_trainer_runs_a_swapped_model(workspace, tmp_path) -> None:
     from transformers import Trainer, TrainingArguments
 
@@ -203,6 +208,7 @@ def test_hf_trainer_runs_a_swapped_model(workspace, tmp_path) -> None:
     assert not torch.equal(model.model.posswap_positions.slopes, slopes_before)
 
 
+@pytest.mark.slow
 def test_distillation_and_pose_runs(workspace, tmp_path) -> None:
     run(workspace, "llama", tmp_path / "distill", scheme="alibi", distill=True, distill_weight=0.5, steps=3)
     run(workspace, "bert", tmp_path / "encoder", scheme="alibi", distill=True, steps=3)
@@ -242,6 +248,7 @@ def test_jsonl_and_datasets_directories_are_read(workspace, tmp_path) -> None:
         read_documents([jsonl], text_field="body")
 
 
+@pytest.mark.slow
 def test_cli_finetune(workspace, tmp_path) -> None:
     command = [sys.executable, "-m", "hf_posswap", "finetune", "--model", str(workspace / "gpt2"), "--data",
                str(workspace / "corpus" / "*.txt"), "--output", str(tmp_path), "--scheme", "t5", "--scheme-option",
@@ -260,6 +267,7 @@ def test_cli_finetune(workspace, tmp_path) -> None:
         "hf-posswap finetune: No training data matches '/nonexistent.txt'. Pass text/jsonl files or a directory.")
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_accumulation_and_bf16(workspace, tmp_path) -> None:
     result = run(workspace, "llama", tmp_path, scheme="t5", steps=2, gradient_checkpointing=True, grad_accum=2,
                  mixed_precision="bf16")

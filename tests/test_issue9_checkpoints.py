@@ -207,6 +207,7 @@ def test_swapped_config_pickles(family: str) -> None:
     assert copy.posswap == config.posswap
 
 
+@pytest.mark.slow
 def test_swapped_config_unpickles_in_a_fresh_process(tmp_path: Path) -> None:
     (tmp_path / "config.pkl").write_bytes(pickle.dumps(swapped("gpt2", "t5").config))
     script = textwrap.dedent(f"""

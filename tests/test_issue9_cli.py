@@ -230,6 +230,7 @@ AFTER_LOADING = [  # refused once the model is known, still before any forward p
 
 
 @pytest.mark.parametrize(("argv", "needle"), [c[1:] for c in AFTER_LOADING], ids=[c[0] for c in AFTER_LOADING])
+@pytest.mark.slow
 def test_bad_input_after_loading_is_one_line(ws, capsys, argv, needle) -> None:
     code, out, err = _run(argv, ws, capsys)
     assert code != 0 and "Traceback" not in out + err
@@ -253,6 +254,7 @@ def test_missing_model_in_a_real_process(ws, argv) -> None:
 
 # ---- item 5: an adapter directory is evaluated as the swapped, adapted model -------------------------------------
 
+@pytest.mark.slow
 def test_eval_of_an_adapter_directory_measures_the_adapted_model(ws, tmp_path, capsys) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -330,6 +332,7 @@ def test_export_cli_overwrite_keeps_the_users_files(ws, tmp_path, capsys) -> Non
     assert "notes.txt" in names and "modeling_posswap.py" in names and "tokenizer.json" in names
 
 
+@pytest.mark.slow
 def test_eval_of_a_corpus_file_list_works_after_the_checks(ws, tmp_path, capsys) -> None:
     paths = [str(p) for p in write_corpus(tmp_path, documents=2)]
     for path in paths:
@@ -356,6 +359,7 @@ def test_ctrl_c_during_a_save_leaves_nothing_half_written(ws, tmp_path, capsys, 
     assert list(tmp_path.iterdir()) == []  # neither the output nor a staging directory
 
 
+@pytest.mark.slow
 def test_adapter_with_a_base_path_relative_to_the_adapter(ws, tmp_path, capsys) -> None:
     shutil.copytree(ws / "llama", tmp_path / "base")
     shutil.copytree(ws / "adapter", tmp_path / "adapter")

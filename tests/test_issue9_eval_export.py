@@ -93,6 +93,7 @@ def test_passkey_prompt_refuses_a_bad_depth() -> None:
         passkey_prompt(byte_tokenizer(), 200, 3, "12345")
 
 
+@pytest.mark.slow
 def test_evaluate_output_is_checked_first_and_written_atomically(tmp_path) -> None:
     CountingModel.calls = 0
     with pytest.raises(OutputError, match=r"the directory .*no-such-dir.* does not exist; create it first"):

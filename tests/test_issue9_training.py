@@ -98,6 +98,7 @@ def test_impossible_settings_are_refused_before_loading(workspace, tmp_path, cap
     assert not (tmp_path / "run").exists(), "nothing may be written for a refused run"
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(workspace, tmp_path,
                                                                             monkeypatch) -> None:
     import hf_posswap.training.loop as loop
@@ -131,6 +132,7 @@ def test_a_nan_at_the_first_step_stops_before_any_save(workspace, tmp_path, caps
     assert not (tmp_path / "final").exists() and not list((tmp_path / "checkpoints").glob("step-*"))
 
 
+@pytest.mark.slow
 def test_non_finite_weights_never_reach_a_checkpoint(workspace, tmp_path, monkeypatch) -> None:
     calls = {"n": 0}
     original = torch.optim.AdamW.step
@@ -159,6 +161,7 @@ def test_masked_lm_batches_always_hold_a_masked_token(workspace, tmp_path) -> No
 # --- item 7: resume continues the newest valid checkpoint, with the recorded settings -----------------------------
 
 
+@pytest.mark.slow
 def test_resume_falls_back_to_the_newest_valid_checkpoint(workspace, tmp_path, capsys) -> None:
     run(workspace, tmp_path, steps=4, save_every=2)
     checkpoints = tmp_path / "checkpoints"
@@ -173,6 +176,7 @@ def test_resume_falls_back_to_the_newest_valid_checkpoint(workspace, tmp_path, c
     assert result["steps"] == 6 and steps_logged(tmp_path) == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow
 def test_resume_with_a_deleted_checkpoint_does_not_restart_at_step_zero(workspace, tmp_path) -> None:
     import shutil
 
@@ -183,6 +187,7 @@ def test_resume_with_a_deleted_checkpoint_does_not_restart_at_step_zero(workspac
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-2", "step-4"]
 
 
+@pytest.mark.slow
 def test_resume_with_changed_settings_is_refused_and_the_record_kept(workspace, tmp_path, capsys) -> None:
     run(workspace, tmp_path, steps=2, scheme="alibi")
     record = (tmp_path / "finetune_config.json").read_bytes()
@@ -193,6 +198,7 @@ def test_resume_with_changed_settings_is_refused_and_the_record_kept(workspace, 
     assert (tmp_path / "finetune_config.json").read_bytes() == record
 
 
+@pytest.mark.slow
 def test_resume_with_more_steps_is_applied_and_recorded(workspace, tmp_path) -> None:
     run(workspace, tmp_path, steps=2)
     result = run(workspace, tmp_path, steps=4, resume=True)
@@ -204,6 +210,7 @@ def test_resume_with_more_steps_is_applied_and_recorded(workspace, tmp_path) -> 
         run(workspace, tmp_path, steps=3, resume=True)
 
 
+@pytest.mark.slow
 def test_a_corrupt_trainer_state_is_one_line_naming_the_file(workspace, tmp_path, capsys) -> None:
     run(workspace, tmp_path, steps=2)
     state = tmp_path / "checkpoints" / "step-2" / "trainer_state.json"
@@ -213,6 +220,7 @@ def test_a_corrupt_trainer_state_is_one_line_naming_the_file(workspace, tmp_path
     assert state.read_text() == '{"step": 2, "epo'
 
 
+@pytest.mark.slow
 def test_a_run_killed_after_its_checkpoint_resumes_without_duplicate_log_lines(workspace, tmp_path) -> None:
     run(workspace, tmp_path, steps=2)
     with open(tmp_path / "loss_log.jsonl", "a") as log:  # steps logged after the checkpoint, then a half line
@@ -224,6 +232,7 @@ def test_a_run_killed_after_its_checkpoint_resumes_without_duplicate_log_lines(w
 # --- item 10: a used output directory is refused; the directory is locked while a run owns it ---------------------
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_used_output_is_refused(workspace, tmp_path, capsys) -> None:
     run(workspace, tmp_path, steps=2)
     final = (tmp_path / "final" / "model.safetensors").read_bytes()
@@ -233,6 +242,7 @@ def test_a_second_run_into_a_used_output_is_refused(workspace, tmp_path, capsys)
     assert steps_logged(tmp_path) == [1, 2]
 
 
+@pytest.mark.slow
 def test_overwrite_output_dir_replaces_only_what_a_run_writes(workspace, tmp_path, capsys) -> None:
     run(workspace, tmp_path, steps=2, save_every=1)
     (tmp_path / "notes.txt").write_text("mine")
@@ -260,6 +270,7 @@ HOLDER = textwrap.dedent("""
     """)
 
 
+@pytest.mark.slow
 def test_a_locked_output_is_refused_and_a_crashed_owner_releases_it(workspace, tmp_path, capsys) -> None:
     from hf_posswap.training.guards import LOCK_FILE
 
@@ -328,6 +339,7 @@ def test_sequences_past_a_learned_table_are_refused_before_training(workspace, t
     assert not (tmp_path / "loss_log.jsonl").exists() and not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_longer_sequences_work_with_a_scheme_that_has_no_table(workspace, tmp_path) -> None:
     assert run(workspace, tmp_path, scheme="alibi", seq_len=100, steps=1)["steps"] == 1
 
@@ -349,6 +361,7 @@ def test_a_missing_or_adapter_model_is_one_line(workspace, tmp_path, capsys) -> 
     pytest.param(["-m", "hf_posswap", "finetune"], ["--lr-schedule", "warmup_stable_decay"],
                  "lr_schedule 'warmup_stable_decay' is not supported", marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_both_entry_points_print_one_line_and_fail(workspace, tmp_path, entry, flags, named) -> None:
     a_file = tmp_path / "a-file"
     a_file.write_text("not a directory")
@@ -399,6 +412,7 @@ def test_a_dangling_symlink_output_is_refused(workspace, tmp_path, capsys, no_mo
     assert "is a symlink to nothing" in one_line_error(capsys, main(argv(workspace, tmp_path / "out")))
 
 
+@pytest.mark.slow
 def test_resume_into_a_fresh_directory_starts_at_step_zero(workspace, tmp_path, capsys) -> None:
     assert main(argv(workspace, tmp_path, "--resume")) == 0
     assert "no previous run" in capsys.readouterr().err and steps_logged(tmp_path) == [1, 2]
@@ -407,6 +421,7 @@ def test_resume_into_a_fresh_directory_starts_at_step_zero(workspace, tmp_path, 
     assert "finetune_config.json is missing, so the settings of the run to resume are unknown" in line
 
 
+@pytest.mark.slow
 def test_overwrite_unlinks_a_symlinked_result_without_touching_its_target(workspace, tmp_path) -> None:
     import shutil
 
@@ -421,6 +436,7 @@ def test_overwrite_unlinks_a_symlinked_result_without_touching_its_target(worksp
     assert (tmp_path / "run" / "final").is_dir() and not (tmp_path / "run" / "final").is_symlink()
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_exits_130_releases_its_lock_and_resumes(workspace, tmp_path, capsys,
                                                                    monkeypatch) -> None:
     import hf_posswap.training.loop as loop

@@ -7,12 +7,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import VOCAB, make_model
 
 import hf_posswap as ps
 
 
+@pytest.mark.slow
 def test_rope_swap_is_written_into_rope_parameters_and_reloads_in_vanilla_transformers(tmp_path: Path) -> None:
     model = make_model("llama")
     ps.swap(model, ps.RopeConfig(rope_theta=2_500.0))

@@ -158,6 +158,7 @@ def test_an_adapter_record_naming_an_unknown_scheme_names_the_file(ws, tmp_path,
     assert "posswap_adapter.json" in line and "'zzz'" in line
 
 
+@pytest.mark.slow
 def test_a_lora_run_from_a_relative_model_path_records_an_absolute_base(ws, tmp_path, monkeypatch) -> None:
     """A relative base path would load only from the training directory, or load whatever has that name
     elsewhere: here a different model also called ``gpt2``."""
@@ -204,6 +205,7 @@ def test_scheme_options_without_a_scheme_are_refused_not_ignored(ws, tmp_path, c
 # --- written files and directories get the usual permissions, not the private ones of tempfile ------------------
 
 
+@pytest.mark.slow
 def test_written_checkpoints_and_results_get_the_usual_permissions(ws, tmp_path, capsys) -> None:
     import os
     import stat

@@ -74,6 +74,7 @@ def test_unswap_of_a_reloaded_native_rope_swap_says_why_it_cannot(tmp_path) -> N
 # ---- item 2: Self-Extend in padded batches ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.slow
 def test_self_extend_left_padded_row_equals_the_row_alone(family: str) -> None:
     """Self-Extend groups positions as floor(pos / G): a left-padded row must group its own positions, not its
     padded token indices (it used to differ from the row run alone, in forward and in generate)."""
