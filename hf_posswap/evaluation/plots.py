@@ -62,7 +62,7 @@ def perplexity_figure(
     if not any(points for lines in drawable.values() for points in lines.values()):
         raise InvalidConfigError(f"No run has {' or '.join(measures)} perplexity rows with a finite, positive value: "
                                  "nothing to draw; check the results files (hf-posswap eval --output).")
-    figure, axis = plt.subplots(figsize=(7.5, 4.8))
+    figure, axis = plt.subplots(figsize=(7.5, 5.6))
     lengths, values = set(), []
     for index, (label, lines) in enumerate(drawable.items()):
         if not any(lines.values()):
@@ -84,7 +84,8 @@ def perplexity_figure(
     _plain_length_axis(axis, sorted(lengths | ({trained_length} if trained_length else set())))
     _plain_value_axis(axis, min(values), max(values))
     axis.grid(True, which="major", alpha=0.3)
-    axis.legend()
+    entries = len(axis.get_lines())
+    axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2 if entries > 3 else entries, frameon=False)
     return figure
 
 
@@ -174,7 +175,7 @@ def position_pictures(model: nn.Module, directory: str | os.PathLike[str], lengt
         causal = adapter.spec(model).is_causal
         bias = module(positions, positions, 0, causal)[0].float().detach()  # [H, L, L]
         tables = getattr(module, "tables", None)  # T5: one table shared by all layers, or one per layer
-        where = f", layer 0 of {len(tables)}" if tables is not None and len(tables) > 1 else ""
+        where = f" (layer 0 of {len(tables)})" if tables is not None and len(tables) > 1 else ""
         figure = bias_figure(bias, f"{state.config.name}{where}", causal)
         return [_save(figure, directory / "bias_per_head.png")]
     if kind == "rotary" or adapter.rotary_module_path:
@@ -229,9 +230,9 @@ def bias_figure(bias: torch.Tensor, scheme: str, causal: bool):
             axis.set_xlabel("key position")
     figure.colorbar(image, ax=axes.ravel().tolist(), label="bias added to the attention logit", shrink=0.9)
     masked = "; future keys (key > query) masked: causal" if causal else ""
-    figure.suptitle(f"{scheme} logit bias per head, query x key, {length} positions{masked}")
+    figure.suptitle(f"{scheme} logit bias per head, {length} positions\nquery x key{masked}")
     if not shown.any():
-        figure.text(0.5, 0.5, ZERO_BIAS_NOTE, ha="center", va="center", fontsize=13,
+        figure.text(0.5, 0.5, ZERO_BIAS_NOTE, ha="center", va="center", fontsize=11,
                     bbox={"facecolor": "white", "edgecolor": "black", "alpha": 0.9})
     return figure
 
