@@ -139,9 +139,24 @@ def test_a_run_with_nothing_to_draw_is_reported() -> None:
         perplexity_figure({"broken": runs["broken"]}, mode="tail")
 
 
-def test_plot_cli_warns_about_a_run_without_points(tmp_path) -> None:
+def _tail_runs(tmp_path) -> None:
     (tmp_path / "good.json").write_text(json.dumps(_run({}, {128: 5.0, 256: 7.0}, tail_from=64)))
     (tmp_path / "broken.json").write_text(json.dumps(_run({64: 3.0}, {128: math.nan})))
+
+
+def test_plot_mode_tail_warns_about_a_run_without_points(tmp_path) -> None:
+    from hf_posswap.cli.main import main
+
+    _tail_runs(tmp_path)
+    with pytest.warns(EmptyRunWarning, match="'broken' has no tail perplexity rows"):
+        assert main(["plot", f"good={tmp_path / 'good.json'}", f"broken={tmp_path / 'broken.json'}", "--mode", "tail",
+                     "--output", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+def test_plot_cli_shows_the_warning_on_stderr(tmp_path) -> None:
+    _tail_runs(tmp_path)
     result = subprocess.run([sys.executable, "-m", "hf_posswap", "plot", f"good={tmp_path / 'good.json'}",
                              f"broken={tmp_path / 'broken.json'}", "--mode", "tail", "--output",
                              str(tmp_path / "p.png")], capture_output=True, text=True, timeout=300)
