@@ -1,14 +1,16 @@
-"""``python -m hf_posswap.finetune`` / ``hf-posswap finetune`` / ``accelerate launch -m hf_posswap.finetune``."""
+"""``hf-posswap finetune`` / ``python -m hf_posswap.cli.finetune`` / ``accelerate launch -m hf_posswap.cli.finetune``.
+
+The parser needs no torch (``--help`` answers at once); the training loop is imported once the command line is
+valid."""
 
 from __future__ import annotations
 
 import sys
 
 from ..errors import PosSwapError
-from ..training.config import FinetuneConfig, build_parser, config_from_args
-from ..training.loop import finetune
+from .parser import finetune_parser
 
-__all__ = ["FinetuneConfig", "finetune", "main"]
+__all__ = ["main"]
 
 
 PROG = "hf-posswap finetune"
@@ -17,7 +19,10 @@ PROG = "hf-posswap finetune"
 def main(argv: list[str] | None = None) -> int:
     """Parse, run, report. A user error (bad value, file or directory; a diverged run) is one line on stderr and
     exit status 1; a bad command line exits with 2 (argparse)."""
-    args = build_parser(PROG).parse_args(sys.argv[1:] if argv is None else argv)
+    args = finetune_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from ..training.config import config_from_args
+    from ..training.loop import finetune
+
     try:
         result = finetune(config_from_args(args))
     except PosSwapError as error:
@@ -29,9 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; checkpoints written so far are kept (continue with --resume).", file=sys.stderr)
         return 130
-    print(f"finished {result['steps']} steps: train loss {result['train_loss']:.4f}, "
-          f"eval loss {result['eval_loss']}, written to {result['output']}")
+    print(summary(result))
     return 0
+
+
+def summary(result: dict) -> str:
+    """The closing line: losses to 4 significant digits (``eval loss 5.522``), not 16."""
+    eval_loss = result.get("eval_loss")
+    held_out = f"eval loss {eval_loss:.4g}" if eval_loss is not None else "eval loss n/a (no held-out data)"
+    return (f"finished {result['steps']} steps: train loss {result['train_loss']:.4g}, {held_out}, "
+            f"written to {result['output']}")
 
 
 if __name__ == "__main__":

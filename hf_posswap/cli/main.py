@@ -8,23 +8,32 @@ printed as one line. Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidConfigError, PosSwapError, one_line
-from .parser import OneLineParser, UsageError
+from .parser import PARSERS, UsageError
 
 
 def _schemes(argv: list[str]) -> int:
+    PARSERS["schemes"]().parse_args(argv)
     from .matrix import support_matrix_markdown
 
-    OneLineParser(prog="hf-posswap schemes", description="Print the family x scheme matrix.").parse_args(argv)
     print(support_matrix_markdown())
     return 0
 
 
+def _wants_help(argv: list[str]) -> bool:
+    return any(arg in ("-h", "--help") for arg in argv)
+
+
 def _demo(argv: list[str]) -> int:
+    if not _wants_help(argv):  # the demo loads checkpoints with transformers' Auto classes itself
+        from ..persistence.autoload import register
+
+        register()
     from .demo import main as demo_main
 
     return demo_main(argv)
@@ -77,14 +86,7 @@ def _save(model, tokenizer, output: str, overwrite: bool) -> None:
 
 
 def _export(argv: list[str]) -> int:
-    parser = OneLineParser(
-        prog="hf-posswap export",
-        description="Write a trust_remote_code copy of an hf_posswap checkpoint that loads without hf_posswap.",
-    )
-    parser.add_argument("checkpoint", help="a checkpoint saved from a swapped model (or a LoRA adapter of one)")
-    parser.add_argument("output", help="directory to write")
-    parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint files in a non-empty output")
-    args = parser.parse_args(argv)
+    args = PARSERS["export"]().parse_args(argv)
     from ..persistence.export import export_standalone
     from ..persistence.loading import inspect_model_path
     from ..persistence.saving import check_output_dir
@@ -104,20 +106,7 @@ def _export(argv: list[str]) -> int:
 
 
 def _eval(argv: list[str]) -> int:
-    parser = OneLineParser(prog="hf-posswap eval", description="Perplexity against length and passkey.")
-    parser.add_argument("--model", required=True, help="checkpoint or LoRA adapter directory (causal LMs only)")
-    parser.add_argument("--lengths", nargs="*", type=int, default=[], help="context lengths for perplexity")
-    parser.add_argument("--mode", nargs="+", default=["windows"], choices=["windows", "sliding", "tail"])
-    parser.add_argument("--stride", type=int, help="sliding-window stride (default: length / 2)")
-    parser.add_argument("--tail-from", type=int, help="tail NLL: score positions from here (default: trained length)")
-    parser.add_argument("--max-windows", type=int, default=4, help="windows per length (0: all)")
-    parser.add_argument("--text", nargs="*", help="text files to evaluate on (default: a built-in corpus)")
-    parser.add_argument("--corpus", default="reference", choices=["reference", "pydoc", "stdlib"])
-    parser.add_argument("--passkey-lengths", nargs="*", type=int, default=[])
-    parser.add_argument("--depths", nargs="*", type=float, default=[0.0, 0.5, 1.0])
-    parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--output", help="write the results as JSON here")
-    args = parser.parse_args(argv)
+    args = PARSERS["eval"]().parse_args(argv)
     from ..evaluation import evaluate
     from ..evaluation.checks import check_results_output, check_settings
     from ..persistence.loading import inspect_model_path, load_model, load_tokenizer
@@ -149,13 +138,7 @@ def _eval(argv: list[str]) -> int:
 
 
 def _swap_command(argv: list[str]) -> int:
-    parser = OneLineParser(prog="hf-posswap swap", description="Swap a checkpoint's positions and save it.")
-    parser.add_argument("--model", required=True, help="checkpoint directory (a LoRA adapter is merged first)")
-    parser.add_argument("--scheme", required=True, help="scheme name (see `hf-posswap schemes`)")
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=JSON", help="a scheme option")
-    parser.add_argument("--output", required=True, help="directory to write")
-    parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint files in a non-empty output")
-    args = parser.parse_args(argv)
+    args = PARSERS["swap"]().parse_args(argv)
     from ..core.describe import describe
     from ..core.state import swap_state
     from ..core.swap import swap
@@ -173,14 +156,7 @@ def _swap_command(argv: list[str]) -> int:
 
 
 def _extend_command(argv: list[str]) -> int:
-    parser = OneLineParser(prog="hf-posswap extend", description="Extend a checkpoint's context and save.")
-    parser.add_argument("--model", required=True, help="checkpoint directory (a LoRA adapter is merged first)")
-    parser.add_argument("--to", type=int, required=True, help="new context length in tokens")
-    parser.add_argument("--method", help="yarn, dynamic, linear, ntk, longrope, llama3, self_extend, interpolate, ...")
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=JSON", help="a method option")
-    parser.add_argument("--output", required=True, help="directory to write (the --model directory with --overwrite)")
-    parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint files in a non-empty output")
-    args = parser.parse_args(argv)
+    args = PARSERS["extend"]().parse_args(argv)
     from ..core.describe import describe
     from ..core.extend import available_extension_methods, extend_context
     from ..persistence.saving import check_output_dir
@@ -201,12 +177,7 @@ def _extend_command(argv: list[str]) -> int:
 
 
 def _inspect(argv: list[str]) -> int:
-    parser = OneLineParser(prog="hf-posswap inspect", description="Pictures of a model's position scheme.")
-    parser.add_argument("--model", required=True, help="checkpoint directory (or LoRA adapter directory)")
-    parser.add_argument("--scheme", help="swap to this scheme first (default: what the checkpoint carries)")
-    parser.add_argument("--length", type=int, default=256, help="positions to draw")
-    parser.add_argument("--output", default="inspect", help="directory for the PNG files")
-    args = parser.parse_args(argv)
+    args = PARSERS["inspect"]().parse_args(argv)
     from ..core.state import swap_state
     from ..core.swap import swap
     from ..evaluation.checks import check_lengths_fit
@@ -231,13 +202,7 @@ def _inspect(argv: list[str]) -> int:
 
 
 def _plot(argv: list[str]) -> int:
-    parser = OneLineParser(prog="hf-posswap plot", description="Plot `hf-posswap eval` results.")
-    parser.add_argument("runs", nargs="+", help="results.json files, optionally labelled: label=results.json")
-    parser.add_argument("--mode", default="windows", choices=["windows", "sliding", "tail"])
-    parser.add_argument("--trained-length", type=int, help="draw a line at the trained length")
-    parser.add_argument("--output", default="perplexity.png")
-    parser.add_argument("--passkey-output", help="also draw the passkey heatmap of the first run here")
-    args = parser.parse_args(argv)
+    args = PARSERS["plot"]().parse_args(argv)
     from ..evaluation.plots import check_picture_path, load_runs, plot_passkey, plot_perplexity
     from ..persistence.saving import check_output_file
 
@@ -283,7 +248,15 @@ Run `hf-posswap COMMAND --help` for the options of one command."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run one command; the exit status (0, 1 for a user error, 2 for a malformed command line)."""
+    try:
+        return _run(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:  # `hf-posswap ... | head` closed our stdout: stop quietly, as other commands do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _run(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
@@ -296,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(f"hf-posswap {command}: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        raise
     except (PosSwapError, OSError) as error:
         print(f"hf-posswap {command}: {one_line(error)}", file=sys.stderr)
         return 1

@@ -19,6 +19,7 @@ from ..core.native import unwrap_peft
 from ..core.state import swap_state
 from ..errors import InvalidConfigError
 from ..families.base import get_family
+from .quiet import quiet_peft
 
 ADAPTER_RECORD = "posswap_adapter.json"
 POSITION_MODULE_NAMES = ("wpe", "position_embeddings", "posswap_positions")
@@ -61,7 +62,8 @@ def lora_config(model: nn.Module, r: int = 8, alpha: int = 16, dropout: float = 
 def save_adapter(peft_model: nn.Module, directory: str | os.PathLike[str]) -> None:
     """``peft_model.save_pretrained`` plus the swap record the adapter was trained with."""
     directory = Path(directory)
-    peft_model.save_pretrained(directory)
+    with quiet_peft():
+        peft_model.save_pretrained(directory)
     state = swap_state(_unwrap(peft_model))
     record = {"scheme": state.config.to_dict() if state else None, "extension": state.extension if state else None}
     (directory / ADAPTER_RECORD).write_text(json.dumps(record, indent=2), encoding="utf-8")
@@ -85,7 +87,8 @@ def load_adapter(base_model: nn.Module, directory: str | os.PathLike[str], **kwa
                 f"{has}. Loading it would drop or misplace its position weights. Swap the base first: "
                 f"hf_posswap.swap(base, hf_posswap.schemes.scheme_config_from_dict({wanted!r}))."
             )
-    return PeftModel.from_pretrained(base_model, directory, **kwargs)
+    with quiet_peft():
+        return PeftModel.from_pretrained(base_model, directory, **kwargs)
 
 
 _unwrap = unwrap_peft

@@ -127,3 +127,18 @@ def register_auto_classes(model_types: list[str]) -> None:
             auto.register(config_cls, posswap_model_class(base_model), exist_ok=True)
 
 
+
+
+@functools.cache
+def register() -> None:
+    """Make transformers know hf_posswap: the attention functions (``posswap_eager``, ``posswap_sdpa``) and the
+    config and model classes of every registered family, so ``AutoModel*.from_pretrained`` loads swapped checkpoints.
+
+    ``import hf_posswap`` calls it, except in the ``hf-posswap`` command's own process, which calls it (through
+    :func:`hf_posswap.persistence.loading.load_model` and the training loop) only once a model is about to load, so
+    that ``--help`` needs no torch. Idempotent."""
+    from ..core.attention import register_attention_functions
+    from ..core.swap import supported_families
+
+    register_attention_functions()
+    register_auto_classes(supported_families())

@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import PosSwapError
+from ..errors import PosSwapError, one_line
 from .user_files import check_safetensors, check_torch_file, read_json
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -33,6 +33,10 @@ WEIGHT_FILES = (
 )
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model")
+#: files that hold a vocabulary: a tokenizer loads from one of them (``tokenizer_config.json`` alone does not)
+VOCABULARY_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model")
+#: files a tokenizer saves beside its vocabulary
+TOKENIZER_COMPANIONS = ("special_tokens_map.json", "merges.txt", "spiece.model", "added_tokens.json")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?$")
 
 
@@ -221,7 +225,9 @@ def load_model(source: ModelSource, task: str = "saved", merge: bool = False) ->
         model = _attach_adapter(base, source)
         return _merge(model, source) if merge else model
     from ..core.native import check_loaded
+    from .autoload import register
 
+    register()  # the hf-posswap command registers only now (its --help must not need torch)
     auto = _auto_class(source, task)
     try:
         model = auto.from_pretrained(source.path)
@@ -307,22 +313,44 @@ def _merge(model: nn.Module, source: ModelSource) -> nn.Module:
 
 def load_tokenizer(source: ModelSource, required: bool = False):
     """The tokenizer saved with the model (an adapter's own, else its base's); ``None`` when there is none and
-    ``required`` is false."""
+    ``required`` is false. A tokenizer copied only in part (``tokenizer_config.json`` without a vocabulary) is
+    refused naming the missing files, not with transformers' advice to install sentencepiece."""
     from transformers import AutoTokenizer
 
     candidates = [source] + ([source.base] if source.base is not None else [])
     for candidate in candidates:
-        if candidate.kind != "hub" and not any((Path(candidate.path) / n).exists() for n in TOKENIZER_FILES):
-            continue
+        if candidate.kind != "hub":
+            present = tokenizer_files(candidate.path)
+            if not present:
+                continue
+            _check_vocabulary(candidate.path, present)
         try:
             return AutoTokenizer.from_pretrained(candidate.path)
         except (OSError, ValueError, KeyError, TypeError) as error:
             if candidate.kind == "hub" and not required:
                 return None
-            raise CheckpointError(f"Could not load the tokenizer in {candidate.path!r}: {error}") from error
+            raise CheckpointError(f"Could not load the tokenizer in {candidate.path!r}: {one_line(error)}") from error
     if required:
         raise CheckpointError(
-            f"{source.path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); copy the tokenizer of the "
-            "model it came from into it (tokenizer.save_pretrained(dir))."
+            f"{source.path!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is there. Copy the tokenizer "
+            "files of the model it came from into it (or AutoTokenizer.from_pretrained(that_model)"
+            f".save_pretrained({source.path!r}))."
         )
     return None
+
+
+def tokenizer_files(path: str | os.PathLike[str]) -> list[str]:
+    """The tokenizer files in a directory (``TOKENIZER_FILES`` and their companions)."""
+    names = (*TOKENIZER_FILES, *TOKENIZER_COMPANIONS)
+    return [name for name in names if (Path(path) / name).is_file()]
+
+
+def _check_vocabulary(path: str, present: list[str]) -> None:
+    """A tokenizer needs a vocabulary, not only its settings: name what is there and what is missing."""
+    if any(name in VOCABULARY_FILES for name in present):
+        return
+    raise CheckpointError(
+        f"{path!r} holds an incomplete tokenizer: {', '.join(present)} but no vocabulary (one of "
+        f"{', '.join(VOCABULARY_FILES)}; vocab.json needs merges.txt). Copy the missing files from the model it came "
+        "from, or re-save its tokenizer there with tokenizer.save_pretrained(dir)."
+    )

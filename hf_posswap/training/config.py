@@ -179,8 +179,44 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see --help)\n")
 
 
-def build_parser(prog: str = "hf-posswap finetune") -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog=prog, description="Fine-tune a model with swapped positions (accelerate).")
+#: (flag, type, default, help) of the numeric options, in --help order
+NUMERIC_OPTIONS = (
+    ("seq-len", int, 512, "tokens per training sequence"),
+    ("batch-size", int, 4, "sequences per batch and process"),
+    ("grad-accum", int, 1, "batches accumulated per optimizer step"),
+    ("steps", int, 100, "optimizer steps to train"),
+    ("lr", float, 1e-4, "AdamW learning rate"),
+    ("warmup-steps", int, 0, "steps of linear learning-rate warm-up"),
+    ("weight-decay", float, 0.0, "AdamW weight decay"),
+    ("max-grad-norm", float, 1.0, "clip the gradient norm to this (0: no clipping)"),
+    ("lora-r", int, 8, "LoRA rank (with --lora)"),
+    ("lora-alpha", int, 16, "LoRA scaling alpha (with --lora)"),
+    ("lora-dropout", float, 0.0, "dropout on the LoRA path (with --lora)"),
+    ("distill-weight", float, 1.0, "share of the distillation loss in [0, 1] (with --distill)"),
+    ("distill-temperature", float, 1.0, "softmax temperature of the distillation KL (with --distill)"),
+    ("pose-target", int, None, "PoSE: spread the position ids of each sequence over this many tokens"),
+    ("mlm-probability", float, 0.15, "share of tokens masked for the masked-LM objective"),
+    ("eval-fraction", float, 0.05, "share of the packed data held out for evaluation (0: none)"),
+    ("eval-every", int, 50, "measure the held-out loss every N steps (0: only at the end)"),
+    ("save-every", int, 100, "write a checkpoint every N steps (0: only at the end)"),
+    ("seed", int, 0, "random seed (data order, initialisation, masking)"),
+)
+#: the on/off flags
+FLAGS = (
+    ("gradient-checkpointing", "recompute activations in backward (less memory, more time)"),
+    ("lora", "train LoRA adapters (peft) plus the position modules"),
+    ("merge-lora", "also save the merged full model (with --lora)"),
+    ("distill", "distil from the unswapped original"),
+    ("resume", "continue from the newest valid checkpoint in --output"),
+    ("overwrite-output-dir", "replace a previous run in --output (removes only run files)"),
+)
+
+
+def build_parser(prog: str = "hf-posswap finetune",
+                 formatter_class: type[argparse.HelpFormatter] = argparse.HelpFormatter) -> argparse.ArgumentParser:
+    """The ``finetune`` command line; needs no torch, so ``--help`` answers at once."""
+    parser = _OneLineParser(prog=prog, description="Fine-tune a model with swapped positions (accelerate).",
+                            formatter_class=formatter_class)
     parser.add_argument("--model", required=True, help="checkpoint directory")
     parser.add_argument("--data", nargs="+", required=True, help="text/jsonl files (globs) or datasets directories")
     parser.add_argument("--output", required=True, help="run directory")
@@ -189,24 +225,15 @@ def build_parser(prog: str = "hf-posswap finetune") -> argparse.ArgumentParser:
                         help="an option of the scheme, e.g. --scheme-option num_buckets=64 (repeatable)")
     parser.add_argument("--extend-to", type=int, help="extend the context to this many tokens first")
     parser.add_argument("--extend-method", help="extension method (default: yarn for RoPE, interpolate for tables)")
-    parser.add_argument("--objective", choices=["auto", "causal", "mlm"], default="auto")
-    for name, kind, default in (("seq-len", int, 512), ("batch-size", int, 4), ("grad-accum", int, 1),
-                                ("steps", int, 100), ("lr", float, 1e-4), ("warmup-steps", int, 0),
-                                ("weight-decay", float, 0.0), ("max-grad-norm", float, 1.0), ("lora-r", int, 8),
-                                ("lora-alpha", int, 16), ("lora-dropout", float, 0.0), ("distill-weight", float, 1.0),
-                                ("distill-temperature", float, 1.0), ("pose-target", int, None),
-                                ("mlm-probability", float, 0.15), ("eval-fraction", float, 0.05),
-                                ("eval-every", int, 50), ("save-every", int, 100), ("seed", int, 0)):
-        parser.add_argument(f"--{name}", type=kind, default=default)
+    parser.add_argument("--objective", choices=["auto", "causal", "mlm"], default="auto",
+                        help="causal (next token) or mlm (masked LM); auto: mlm for BERT encoders, else causal")
+    for name, kind, default, text in NUMERIC_OPTIONS:
+        parser.add_argument(f"--{name}", type=kind, default=default, help=text)
     parser.add_argument("--lr-schedule", default="cosine", help=f"one of {', '.join(LR_SCHEDULES)}")
-    parser.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="no")
+    parser.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="no",
+                        help="train in reduced precision through accelerate")
     parser.add_argument("--text-field", default="text", help="jsonl / datasets field holding the text")
-    for flag, text in (("gradient-checkpointing", "recompute activations in backward"),
-                       ("lora", "train LoRA adapters (peft) plus the position modules"),
-                       ("merge-lora", "also save the merged full model"),
-                       ("distill", "distil from the unswapped original"),
-                       ("resume", "continue from the newest valid checkpoint in --output"),
-                       ("overwrite-output-dir", "replace a previous run in --output (removes only run files)")):
+    for flag, text in FLAGS:
         parser.add_argument(f"--{flag}", action="store_true", help=text)
     return parser
 

@@ -126,11 +126,14 @@ class PackedDataset(Dataset):
 
 
 def pack(documents: Sequence[str], tokenizer, seq_len: int) -> torch.Tensor:
-    """Tokenize every document, join with the EOS (or SEP) id, return one flat id tensor."""
+    """Tokenize every document, join with the EOS (or SEP) id, return one flat id tensor.
+
+    Documents longer than the tokenizer's ``model_max_length`` are fine here (the flat tensor is cut into
+    ``seq_len`` pieces), so transformers' warning about sequences longer than the model is turned off."""
     separator = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
     ids: list[int] = []
     for document in documents:
-        ids.extend(tokenizer(document, add_special_tokens=False)["input_ids"])
+        ids.extend(tokenizer(document, add_special_tokens=False, verbose=False)["input_ids"])
         if separator is not None:
             ids.append(separator)
     return torch.tensor(ids, dtype=torch.long)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import shutil
@@ -12,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from ..errors import InvalidConfigError
+from ..persistence.quiet import LOSS_TYPE_NOTE, SHARED_TENSOR_NOTE, hidden_logs
 from .config import FinetuneConfig
 from .data import expand_paths, pack, read_documents, train_eval_split
 from .guards import (
@@ -27,6 +26,8 @@ from .guards import (
     resolve_objective,
 )
 from .losses import distillation_kl, hidden_state_matching, pose_position_ids
+from .model import enable_checkpointing, prepare_positions, teacher_copy, with_lora
+from .model import load_model as _load_model  # the name tests patch to prove nothing loads before a refusal
 from .resume import CONFIG_FILE, LOSS_LOG, load_checkpoint, plan_resume, record_settings, say, truncate_loss_log
 from .state import CHECKPOINTS, latest_checkpoint, publish_checkpoint, save_result, staging_dir
 
@@ -56,6 +57,9 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    from ..persistence.autoload import register
+
+    register()  # swapped checkpoints' configs are read below (the hf-posswap command registers only when it runs)
     _fresh_accelerate_state()
     documents = read_documents(expand_paths(config.data), config.text_field)  # bad data fails before any loading
     check_model_path(config.model)
@@ -97,18 +101,14 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
     from transformers import get_scheduler
 
     resume = plan_resume(config, output, accelerator) if config.resume else None
-    model, tokenizer = _load_model(config, objective)
-    teacher = _teacher(model, accelerator) if config.distill else None
-    _prepare_positions(model, config)
+    model, tokenizer = _load_model(config, objective, accelerator)
+    teacher = teacher_copy(model, accelerator) if config.distill else None
+    prepare_positions(model, config)
     check_sequence_length(model, config)
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     if config.lora:
-        from peft import get_peft_model
-
-        from ..persistence.adapters import lora_config
-
-        model = get_peft_model(model, lora_config(model, config.lora_r, config.lora_alpha, config.lora_dropout))
+        model = with_lora(model, config)
 
     token_ids = pack(documents, tokenizer, config.seq_len)
     train_set, eval_set = train_eval_split(token_ids, config.seq_len, config.eval_fraction)
@@ -130,9 +130,10 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
     _start_record(config, accelerator, output, position["step"], resume)
     parts = {"model": model, "teacher": teacher, "optimizer": optimizer, "scheduler": scheduler,
              "train_loader": train_loader, "eval_loader": eval_loader, "trainable": trainable}
-    last_loss, eval_loss = _train(config, accelerator, output, objective, parts, position, checkpoint)
-    if eval_loader is not None:
-        eval_loss = _evaluate(model, eval_loader, objective, accelerator)
+    with hidden_logs("transformers.modeling_utils", LOSS_TYPE_NOTE):  # GPT-2's head has the usual loss all the same
+        last_loss, eval_loss = _train(config, accelerator, output, objective, parts, position, checkpoint)
+        if eval_loader is not None:
+            eval_loss = _evaluate(model, eval_loader, objective, accelerator)
     if not all_finite(trainable):
         raise diverged(position["step"], "final weights' value", math.nan, config, _last_saved(output))
     result_dir = save_result(accelerator, model, tokenizer, output, config)
@@ -223,46 +224,6 @@ def _fresh_accelerate_state() -> None:
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _load_model(config: FinetuneConfig, objective: str):
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
-
-    import hf_posswap  # noqa: F401  (registers hf_posswap checkpoints with the Auto classes)
-
-    auto = AutoModelForCausalLM if objective == "causal" else AutoModelForMaskedLM
-    # a local path is loaded by its absolute form: a LoRA adapter records it as its base, and a relative one would
-    # load only from this working directory (or load whatever has that name elsewhere)
-    local = Path(config.model).expanduser()
-    source = str(local.resolve()) if local.exists() else config.model
-    try:
-        model = auto.from_pretrained(source, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError, RuntimeError) as error:  # a truncated or foreign checkpoint: one line naming it
-        raise InvalidConfigError(
-            f"--model {config.model!r} cannot be loaded ({type(error).__name__}: {' '.join(str(error).split())[:300]});"
-            " pass a complete checkpoint directory."
-        ) from error
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
-
-
-def _teacher(model: torch.nn.Module, accelerator) -> torch.nn.Module:
-    teacher = copy.deepcopy(model).eval().to(accelerator.device)
-    teacher.requires_grad_(False)
-    return teacher
-
-
-def _prepare_positions(model: torch.nn.Module, config: FinetuneConfig) -> None:
-    from ..core.extend import extend_context
-    from ..core.state import swap_state
-    from ..core.swap import swap
-
-    if config.scheme is not None:
-        swap(model, config.scheme, replace=swap_state(model) is not None, **config.scheme_options)
-    if config.extend_to is not None:
-        extend_context(model, config.extend_to, config.extend_method)
-
-
 def _collator(tokenizer, objective: str, config: FinetuneConfig):
     if objective == "mlm":
         from transformers import DataCollatorForLanguageModeling
@@ -296,6 +257,7 @@ def _loss(model, teacher, batch: dict[str, torch.Tensor], objective: str, config
             inputs["input_ids"].device
         )
     encoder_distill = teacher is not None and objective == "mlm"
+    inputs.update(_no_cache(objective))  # training builds no KV cache (and gradient checkpointing needs none)
     outputs = model(**inputs, output_hidden_states=encoder_distill)
     if teacher is None or config.distill_weight == 0:
         return outputs.loss
@@ -308,6 +270,11 @@ def _loss(model, teacher, batch: dict[str, torch.Tensor], objective: str, config
     return (1 - config.distill_weight) * outputs.loss + config.distill_weight * distill
 
 
+def _no_cache(objective: str) -> dict[str, bool]:
+    """``use_cache=False`` for decoders (encoders have no cache to turn off)."""
+    return {"use_cache": False} if objective == "causal" else {}
+
+
 @torch.no_grad()
 def _evaluate(model, loader, objective: str, accelerator) -> float:
     """Mean held-out loss of the plain objective (masked LM masks are drawn by the collator)."""
@@ -315,7 +282,7 @@ def _evaluate(model, loader, objective: str, accelerator) -> float:
     model.eval()
     losses = []
     for batch in loader:
-        losses.append(accelerator.gather(model(**batch).loss.detach()[None]).mean().item())
+        losses.append(accelerator.gather(model(**batch, **_no_cache(objective)).loss.detach()[None]).mean().item())
     model.train(was_training)
     return float(sum(losses) / len(losses)) if losses else math.nan
 
@@ -337,7 +304,8 @@ def _save_checkpoint(accelerator, output: Path, position: dict[str, int]) -> Pat
     if accelerator.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(staging))
+    with hidden_logs("accelerate.utils.other", SHARED_TENSOR_NOTE):  # tied weights: the tie is rebuilt on load
+        accelerator.save_state(str(staging))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         publish_checkpoint(output, position["step"], position)
