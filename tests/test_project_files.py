@@ -3,6 +3,8 @@ README's line that prints where the offline checkpoints live works."""
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import re
 import subprocess
 import sys
@@ -41,3 +43,30 @@ def test_readme_command_prints_where_the_offline_checkpoints_live() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     paths = result.stdout.split()
     assert len(paths) == 2 and all(Path(path, "config.json").exists() for path in paths)
+
+
+def load_example(name: str):
+    """An example script as a module (its ``main`` is not run on import)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_bert_finetuning_example_runs_on_a_tiny_bert(tmp_path, capsys) -> None:
+    """The example's whole path (swap, two masked-LM fine-tunes, save, reload, long text) on a tiny BERT."""
+    from conftest import save_tiny_checkpoint
+
+    example = load_example("finetune_bert_alibi")
+    save_tiny_checkpoint("bert", tmp_path / "bert")
+    rows = example.main(["--model", str(tmp_path / "bert"), "--steps", "2", "--seq-len", "32", "--batch-size", "2",
+                         "--topics", "3", "--output", str(tmp_path / "run")])
+    printed = capsys.readouterr().out
+    trained = [label for label in rows if "after 2 steps" in label]
+    assert len(trained) == 2 and all(math.isfinite(rows[label]["mlm_loss"]) for label in trained)
+    assert all(-1.0 <= row["similarity"] <= 1.0 + 1e-6 for row in rows.values())
+    for name in ("mlm", "distill"):
+        assert (tmp_path / "run" / name / "final" / "config.json").exists()
+    assert "embedded a 128-token text (the original table holds 64)" in printed
+    assert "| alibi after 2 steps, masked LM (reloaded)" in printed
