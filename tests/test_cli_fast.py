@@ -1,13 +1,14 @@
 """Issue 11 item 3: the command line answers at once and explains every option.
 
-``hf-posswap --help`` and ``hf-posswap CMD --help`` must not import torch or transformers (checked from
-``-X importtime``, not by timing; ``scripts/bench_cli.py`` measures the time), every option of every command has
-help text, and ``import hf_posswap`` still registers the Auto classes in an ordinary process."""
+``hf-posswap --help`` and ``hf-posswap CMD --help`` must not import torch or transformers (checked from the
+modules the process holds at exit, not by timing; ``scripts/bench_cli.py`` measures the time), every option of
+every command has help text, and ``import hf_posswap`` still registers the Auto classes in an ordinary process."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -29,8 +30,25 @@ HEAVY = ("torch", "transformers", "peft", "accelerate", "matplotlib")
 needs_script = pytest.mark.skipif(not SCRIPT.exists(), reason=f"the console script {SCRIPT} is not installed")
 
 
+#: runs a script as its console-script process would (same file, same sys.argv[0]) and reports sys.modules at exit
+PROBE = ("import atexit, json, runpy, sys\n"
+         "atexit.register(lambda: sys.stderr.write('\\nMODULES ' + json.dumps(sorted(sys.modules)) + '\\n'))\n"
+         "sys.argv = sys.argv[1:]\n"
+         "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+
+
+def run_probed(*argv: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run the script ``argv[0]`` with its arguments; the modules it had imported when it exited."""
+    result = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT, env=ENV)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("MODULES ")]
+    assert lines, result.stderr[-2000:]
+    return result, set(json.loads(lines[-1].removeprefix("MODULES ")))
+
+
 def imported_modules(importtime_stderr: str) -> set[str]:
-    """Module names from ``python -X importtime`` output (``import time: self | cumulative | name``)."""
+    """Module names from ``python -X importtime`` output (``import time: self | cumulative | name``; modules
+    loaded through ``importlib.import_module`` are not listed there, hence :func:`run_probed` where it can be used)."""
     return {line.rsplit("|", 1)[1].strip() for line in importtime_stderr.splitlines()
             if line.startswith("import time:") and line.count("|") == 2}
 
@@ -48,8 +66,7 @@ def run_importtime(*argv: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("argv", [["--help"], *[[command, "--help"] for command in COMMANDS], ["swap"]],
                          ids=["top", *COMMANDS, "swap-missing-arguments"])
 def test_help_of_the_console_script_imports_no_torch(argv: list[str]) -> None:
-    result = run_importtime(str(SCRIPT), *argv)
-    modules = imported_modules(result.stderr)
+    result, modules = run_probed(str(SCRIPT), *argv)
     assert "hf_posswap.cli.main" in modules, result.stderr[-2000:]  # the probe saw the command's imports
     assert not heavy_imports(modules), heavy_imports(modules)[:10]
     if argv == ["swap"]:  # a malformed command line is refused as fast, on one line
@@ -156,6 +173,17 @@ def test_import_hf_posswap_then_auto_classes_load_a_swapped_checkpoint(swapped_d
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=ENV)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["PosSwapLlamaForCausalLM", "alibi"]
+
+
+@pytest.mark.slow  # an interpreter start-up with torch and transformers
+def test_import_hf_posswap_leaves_training_evaluation_peft_and_plots_for_later() -> None:
+    probe = "import json, sys, hf_posswap; print(json.dumps(sorted(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=ENV)
+    modules = set(json.loads(result.stdout.splitlines()[-1]))
+    assert {"torch", "transformers", "hf_posswap.core.swap", "hf_posswap.persistence.autoload"} <= modules
+    later = ("peft", "matplotlib", "hf_posswap.training", "hf_posswap.evaluation", "hf_posswap.persistence.adapters",
+             "hf_posswap.persistence.export", "hf_posswap.cli")
+    assert not sorted(name for name in modules if name.startswith(later))
 
 
 @needs_script
