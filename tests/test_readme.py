@@ -39,10 +39,12 @@ BUDGET = [("--steps 500", "--steps 2"), ("steps=500", "steps=2")]
 
 # Commands in the README that no test can run, with the reason.
 NOT_RUN = {
-    "bash scripts/demo.sh": "creates a virtual environment and runs SmolLM2 for minutes (run by hand; the demo's "
-                            "steps are tested in tests/test_real_checkpoints.py)",
+    "bash scripts/demo.sh": "creates a virtual environment and runs SmolLM2 for minutes; `hf-posswap demo` runs "
+                            "with short lengths in tests/test_real_checkpoints.py and on a tiny model in "
+                            "tests/test_progress.py",
     "bash scripts/test.sh": "is CI itself (.ci/run runs exactly this)",
-    "accelerate launch": "needs two processes; tests/test_finetune.py launches the same module with torchrun",
+    "accelerate launch": "needs two processes; tests/test_finetune.py::test_two_processes_train_data_parallel runs "
+                         "finetune() under the same launcher",
 }
 
 
