@@ -12,7 +12,7 @@ import hf_posswap
 PACKAGE = Path(hf_posswap.__file__).resolve().parent
 # lowest first; a module may import from its own layer or any lower one
 LAYERS = [
-    {"errors", "registry", "edits", "version"},
+    {"errors", "registry", "edits", "version", "progress"},
     {"schemes"},
     {"families"},
     {"core"},

@@ -10,9 +10,9 @@ import torch
 from conftest import byte_tokenizer, save_tiny_checkpoint
 from torch import nn
 
+from hf_posswap import progress as progress_module
 from hf_posswap.evaluation import evaluate, passkey_accuracy, perplexity
-from hf_posswap.evaluation import progress as progress_module
-from hf_posswap.evaluation.progress import Progress, duration, repeated_layers
+from hf_posswap.progress import Progress, duration, repeated_layers
 
 
 class Terminal(io.StringIO):

@@ -100,7 +100,7 @@ def scheme_rows(model, tokenizer, input_ids, schemes: tuple[str, ...], progress:
     printing ``describe()`` of each."""
     from ..core.describe import describe
     from ..core.swap import swap, unswap
-    from ..evaluation.progress import Progress
+    from ..progress import Progress
 
     rows = []
     with Progress("swaps", 1 + len(schemes), unit="scheme", enabled=progress) as bar:
@@ -147,7 +147,7 @@ def extension_demo(model, tokenizer, lengths: tuple[int, ...], output: Path, pro
     from ..evaluation import corpus_text
     from ..evaluation.perplexity import plan_windows
     from ..evaluation.plots import plot_perplexity
-    from ..evaluation.progress import Progress
+    from ..progress import Progress
 
     trained = int(getattr(model.config, "max_position_embeddings", 8192))
     token_ids = torch.tensor(tokenizer(corpus_text("reference"))["input_ids"])
@@ -186,8 +186,8 @@ def _save_and_reload(model, tokenizer, directory: Path, probe, progress: bool) -
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..evaluation.progress import Progress
     from ..persistence.saving import staged_directory
+    from ..progress import Progress
 
     with Progress("save and reload", 2, enabled=progress) as bar:
         with staged_directory(directory, overwrite=True) as staging:  # the demo's own directory

@@ -8,10 +8,13 @@ printed as one line. Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from ..errors import InvalidConfigError, PosSwapError, one_line
 from .parser import PARSERS, UsageError
@@ -116,6 +119,9 @@ def _eval(argv: list[str]) -> int:
                    args.depths, args.trials)
     if args.output:
         check_results_output(args.output)
+    elif sys.stdout is None:  # started with stdout closed (`>&-`): the results would be computed and thrown away
+        raise InvalidConfigError("stdout is closed and no --output was given, so the results would be lost; pass "
+                                 "--output results.json or leave stdout open.")
     text = read_text_files(args.text) if args.text else None
     source = inspect_model_path(args.model)
     if not source.is_causal():
@@ -128,7 +134,7 @@ def _eval(argv: list[str]) -> int:
     results = evaluate(model, tokenizer, args.lengths, text=text, corpus=args.corpus, modes=args.mode,
                        stride=args.stride, tail_from=args.tail_from, max_windows=args.max_windows or None,
                        passkey_lengths=args.passkey_lengths, depths=args.depths, trials=args.trials,
-                       output=args.output)
+                       output=args.output, progress=not args.no_progress)
     for row in results["perplexity"]:
         print(f"perplexity  length {row['length']:>6}  {row['mode']:<8} {row['perplexity']:10.3f}  "
               f"({row['tokens']} tokens)")
@@ -248,12 +254,37 @@ Run `hf-posswap COMMAND --help` for the options of one command."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; the exit status (0, 1 for a user error, 2 for a malformed command line)."""
-    try:
-        return _run(list(sys.argv[1:] if argv is None else argv))
-    except BrokenPipeError:  # `hf-posswap ... | head` closed our stdout: stop quietly, as other commands do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+    """Run one command; the exit status (0, 1 for a user error, 2 for a malformed command line).
+
+    Run as the program (``argv`` None: the console script, ``python -m hf_posswap``), Python warnings are printed as
+    one line each (``hf-posswap plot: warning: ...``), and the warning machinery is restored on return. A caller
+    that passes ``argv`` keeps its own display of warnings (``catch_warnings(record=True)`` still records them)."""
+    program = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = f"hf-posswap {argv[0]}" if argv and argv[0] in COMMANDS else "hf-posswap"
+    with warnings.catch_warnings():
+        if program:
+            warnings.showwarning = _one_line_warning(prog)
+        try:
+            return _run(argv)
+        except BrokenPipeError:  # `hf-posswap ... | head` closed our stdout: stop quietly, as other commands do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
+
+
+def _one_line_warning(prog: str):
+    """A ``warnings.showwarning`` that prints ``<prog>: warning: <message on one line>`` (no file:line, no source
+    line: they point into the library, not at anything the user typed)."""
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        text = " ".join(str(message).split()) or category.__name__
+        try:
+            print(f"{prog}: warning: {text}", file=file if file is not None else sys.stderr, flush=True)
+        except (OSError, ValueError):  # stderr closed: a warning is not worth a crash
+            pass
+
+    return show
 
 
 def _run(argv: list[str]) -> int:
@@ -265,7 +296,8 @@ def _run(argv: list[str]) -> int:
         print(f"hf-posswap: unknown command '{command}'; choose from {', '.join(COMMANDS)}.", file=sys.stderr)
         return 2
     try:
-        return COMMANDS[command](rest)
+        with _library_bars(command, rest):
+            return COMMANDS[command](rest)
     except UsageError as error:
         print(f"hf-posswap {command}: {error}", file=sys.stderr)
         return 2
@@ -278,6 +310,27 @@ def _run(argv: list[str]) -> int:
         print(f"hf-posswap {command}: interrupted; outputs are written atomically, so nothing half-written was "
               "left.", file=sys.stderr)
         return 130
+
+
+#: commands that load or save checkpoints through transformers (whose loading and saving bars are its own)
+_LOADING_COMMANDS = ("demo", "eval", "export", "extend", "finetune", "inspect", "swap")
+#: commands with a --no-progress flag
+_PROGRESS_COMMANDS = ("demo", "eval", "finetune")
+
+
+@contextlib.contextmanager
+def _library_bars(command: str, argv: list[str]) -> Iterator[None]:
+    """transformers' own bars ("Loading weights", "Writing model shards") follow the command's progress policy: off
+    with ``--no-progress`` and off when stderr is not a terminal (a log gets no carriage returns). Restored after."""
+    from ..progress import is_terminal, library_bars
+
+    wanted = is_terminal(sys.stderr) and not (command in _PROGRESS_COMMANDS and "--no-progress" in argv)
+    if command not in _LOADING_COMMANDS or _wants_help(argv):  # nothing that shows one: no transformers import
+        wanted = True
+    elif not wanted and command in PARSERS:
+        PARSERS[command]().parse_args(argv)  # a malformed command line fails at once, before transformers loads
+    with library_bars(wanted):
+        yield
 
 
 if __name__ == "__main__":

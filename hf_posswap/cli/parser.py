@@ -93,6 +93,8 @@ def eval_parser() -> OneLineParser:
                         help="where the passkey sits in the prompt: 0 = start, 1 = end")
     parser.add_argument("--trials", type=int, default=5, help="passkey prompts per length and depth")
     parser.add_argument("--output", help="also write the results as JSON here")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars or progress lines on stderr (results still go to stdout)")
     return parser
 
 

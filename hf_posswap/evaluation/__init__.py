@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from ..errors import InvalidConfigError
-from .checks import check_causal, check_lengths_fit, check_results_output, check_settings
+from ..progress import Progress
+from .checks import check_causal, check_lengths_fit, check_results_output, check_settings, check_vocabulary
 from .corpora import CORPORA, corpus_text, text_digest
 from .passkey import PasskeyResult, passkey_accuracy, passkey_prompt, shortest_passkey_length
 from .perplexity import MODES, PerplexityResult, perplexity, plan_windows
-from .progress import Progress
 from .tokenizer import BYTE_VOCAB_SIZE, byte_tokenizer
 
 __all__ = [
@@ -100,6 +100,7 @@ def _check_before_running(model: nn.Module, tokenizer, token_ids: torch.Tensor, 
     for length in lengths:
         for mode in modes:
             plan_windows(model, token_ids, length, mode, stride, tail_from)
+    check_lengths_fit(model, max(passkey_lengths, default=0))  # before a long prompt is built for nothing
     prompts = []
     for length in passkey_lengths:
         shortest = shortest_passkey_length(tokenizer)
@@ -110,3 +111,4 @@ def _check_before_running(model: nn.Module, tokenizer, token_ids: torch.Tensor, 
             )
         prompts.append(passkey_prompt(tokenizer, length, 0.5, "12345").numel() + 8)  # + the answer's tokens
     check_lengths_fit(model, max([*lengths, *prompts], default=0))
+    check_vocabulary(model, tokenizer)

@@ -19,6 +19,9 @@ from ..errors import InvalidConfigError
 from .perplexity import MODES
 
 _POSITION_TABLE = re.compile(r"(^|\.)(wpe|position_embeddings)$")
+#: the longest passkey prompt built (16.8M tokens, past any single-device forward pass): a longer one would only
+#: exhaust memory while its filler text is built
+MAX_PASSKEY_LENGTH = 1 << 24
 
 
 def _is_int(value: Any) -> bool:
@@ -66,6 +69,10 @@ def check_settings(
     if max_windows is not None:
         _check_ints("max_windows (--max-windows)", [max_windows], 0, "0 or None means all windows")
     _check_ints("Passkey lengths (--passkey-lengths)", passkey_lengths, 1, "pass prompt lengths in tokens")
+    too_long = [n for n in passkey_lengths if n > MAX_PASSKEY_LENGTH]
+    if too_long:
+        raise InvalidConfigError(f"Passkey length {too_long[0]} (--passkey-lengths) is past the longest prompt built, "
+                                 f"{MAX_PASSKEY_LENGTH} tokens; pass lengths up to {MAX_PASSKEY_LENGTH}.")
     for depth in depths:
         if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0.0 <= depth <= 1.0 \
                 or not math.isfinite(depth):
@@ -98,6 +105,20 @@ def check_causal(model: nn.Module) -> None:
         raise InvalidConfigError(
             f"{type(model).__name__} is not a causal language model (its attention sees the whole sequence), so "
             "next-token perplexity and passkey retrieval do not apply. Evaluate a decoder (GPT-2, LLaMA, ...)."
+        )
+
+
+def check_vocabulary(model: nn.Module, tokenizer) -> None:
+    """Every id the tokenizer can give has a row in the model's input embeddings (a larger tokenizer would fail
+    half-way through the evaluation with an ``IndexError``)."""
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    rows = embeddings.num_embeddings if isinstance(embeddings, nn.Embedding) else None
+    if rows is not None and len(tokenizer) > rows:
+        raise InvalidConfigError(
+            f"The tokenizer has {len(tokenizer)} tokens but the model's input embeddings have {rows} rows, so token "
+            f"ids >= {rows} have no embedding. Use the checkpoint's own tokenizer, or resize the embeddings with "
+            "model.resize_token_embeddings(len(tokenizer)) before saving the checkpoint."
         )
 
 

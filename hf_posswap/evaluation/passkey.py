@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidConfigError
-from .progress import Progress
+from ..progress import Progress
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 QUESTION = "What is the pass key? The pass key is"

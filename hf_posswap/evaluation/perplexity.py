@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidConfigError
-from .progress import Progress
+from ..progress import Progress
 
 MODES = ("windows", "sliding", "tail")
 

@@ -40,6 +40,8 @@ class FinetuneConfig:
         save_every: checkpoint every N steps (atomic; ``resume`` continues from the newest valid one).
         resume: continue the run in ``output``; only ``RESUME_SAFE`` settings may differ from the recorded ones.
         overwrite_output_dir: replace a previous run in ``output`` (only the files a run writes are removed).
+        progress: report the steps on stderr (a bar on a terminal, plain lines with the loss, elapsed time and ETA
+            in a log), from the local main process only; ``False`` (``--no-progress``) for silence.
     """
 
     model: str
@@ -78,6 +80,7 @@ class FinetuneConfig:
     resume: bool = False
     overwrite_output_dir: bool = False
     seed: int = 0
+    progress: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.data, str):
@@ -168,8 +171,8 @@ class FinetuneConfig:
 #: settings that may differ when a run is resumed: how long to train and how often to measure and save.
 #: Changing ``steps`` recomputes a decaying learning-rate schedule for the new total from the resumed step on.
 RESUME_SAFE = ("steps", "eval_every", "save_every")
-#: run-control flags that are not settings of the run
-RUN_CONTROL = ("resume", "overwrite_output_dir")
+#: run-control flags that are not settings of the run (a resume may change them)
+RUN_CONTROL = ("resume", "overwrite_output_dir", "progress")
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -235,6 +238,8 @@ def build_parser(prog: str = "hf-posswap finetune",
     parser.add_argument("--text-field", default="text", help="jsonl / datasets field holding the text")
     for flag, text in FLAGS:
         parser.add_argument(f"--{flag}", action="store_true", help=text)
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress on stderr (a bar on a terminal, plain lines in a log); TQDM_DISABLE=1 too")
     return parser
 
 
@@ -255,4 +260,4 @@ def parse_options(items: list[str]) -> dict[str, Any]:
 def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
     options = parse_options(args.scheme_option)
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(FinetuneConfig) if hasattr(args, f.name)}
-    return FinetuneConfig(**{**values, "scheme_options": options})
+    return FinetuneConfig(**{**values, "scheme_options": options, "progress": not getattr(args, "no_progress", False)})

@@ -197,6 +197,25 @@ def check_sequence_length(model: torch.nn.Module, config: FinetuneConfig) -> Non
         )
 
 
+def check_vocabulary(model: torch.nn.Module, tokenizer, path: str) -> None:
+    """Every id the tokenizer can give has a row in the model's input embeddings; otherwise the first batch holding
+    such an id fails deep in the forward with an ``IndexError``. Refused before any data is tokenized."""
+    rows = embedding_rows(model)
+    if rows is not None and len(tokenizer) > rows:
+        raise InvalidConfigError(
+            f"--model {path!r}: its tokenizer has {len(tokenizer)} tokens but the model's input embeddings have "
+            f"{rows} rows, so token ids >= {rows} have no embedding. Use the checkpoint's own tokenizer, or resize "
+            "the embeddings with model.resize_token_embeddings(len(tokenizer)) before saving the checkpoint."
+        )
+
+
+def embedding_rows(model: torch.nn.Module) -> int | None:
+    """Rows of the model's input embedding table, or ``None`` when it has no ``nn.Embedding`` input table."""
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    return embeddings.num_embeddings if isinstance(embeddings, torch.nn.Embedding) else None
+
+
 def learned_table_length(model: torch.nn.Module) -> int | None:
     """Positions of the model's learned absolute table, or ``None`` when its positions are not a fixed table."""
     from ..core.describe import describe

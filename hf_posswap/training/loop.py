@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from ..persistence.quiet import LOSS_TYPE_NOTE, SHARED_TENSOR_NOTE, hidden_logs
+from ..progress import Progress, is_terminal, library_bars
 from .config import FinetuneConfig
 from .data import expand_paths, pack, read_documents, train_eval_split
 from .guards import (
@@ -21,6 +23,7 @@ from .guards import (
     check_output,
     check_positions,
     check_sequence_length,
+    check_vocabulary,
     diverged,
     remove_previous_run,
     resolve_objective,
@@ -77,7 +80,8 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     output = Path(config.output).expanduser()
     lock = _own_output(output, accelerator, config)
     try:
-        return _run(config, accelerator, output, documents, objective)
+        with library_bars(config.progress and is_terminal(sys.stderr)):  # no loading / saving bars in a log
+            return _run(config, accelerator, output, documents, objective)
     finally:
         lock.release()
 
@@ -102,6 +106,7 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
 
     resume = plan_resume(config, output, accelerator) if config.resume else None
     model, tokenizer = _load_model(config, objective, accelerator)
+    check_vocabulary(model, tokenizer, config.model)
     teacher = teacher_copy(model, accelerator) if config.distill else None
     prepare_positions(model, config)
     check_sequence_length(model, config)
@@ -151,7 +156,7 @@ def _train(config, accelerator, output: Path, objective: str, parts: dict[str, A
            checkpoint: Path | None) -> tuple[float, float | None]:
     """The optimisation loop from ``position`` to ``config.steps``; stops before applying or saving a non-finite
     state."""
-    progress = _progress(config.steps, position["step"], accelerator)
+    progress = _progress(config, position["step"], accelerator)
     try:
         return _steps(config, accelerator, output, objective, parts, position, checkpoint, progress)
     finally:
@@ -187,8 +192,7 @@ def _steps(config, accelerator, output: Path, objective: str, parts: dict[str, A
             if eval_loader is not None and config.eval_every and position["step"] % config.eval_every == 0:
                 eval_loss = record["eval_loss"] = _evaluate(model, eval_loader, objective, accelerator)
             _log(output, record, accelerator)
-            progress.update(1)
-            progress.set_postfix(loss=f"{last_loss:.4f}", **({"eval": f"{eval_loss:.4f}"} if eval_loss else {}))
+            progress.step(_losses_note(last_loss, eval_loss))
             if (config.save_every and position["step"] % config.save_every == 0) or position["step"] == config.steps:
                 if not all_finite(trainable):
                     raise diverged(position["step"], "weights' value", math.nan, config, checkpoint)
@@ -287,10 +291,17 @@ def _evaluate(model, loader, objective: str, accelerator) -> float:
     return float(sum(losses) / len(losses)) if losses else math.nan
 
 
-def _progress(total: int, initial: int, accelerator):
-    from tqdm.auto import tqdm
+def _progress(config: FinetuneConfig, initial: int, accelerator) -> Progress:
+    """Optimizer steps on stderr, reported by the local main process only: a bar on a terminal, plain lines with
+    the elapsed time and an ETA in a log (``config.progress=False`` or ``TQDM_DISABLE=1``: nothing)."""
+    return Progress("finetune", config.steps, start=initial, min_gap=10.0,
+                    enabled=config.progress and accelerator.is_local_main_process)
 
-    return tqdm(total=total, initial=initial, desc="finetune", disable=not accelerator.is_local_main_process)
+
+def _losses_note(loss: float, eval_loss: float | None) -> str:
+    """``loss 5.522, eval loss 5.61``: 4 significant digits, as the closing summary."""
+    held_out = f", eval loss {eval_loss:.4g}" if eval_loss is not None else ""
+    return f"loss {loss:.4g}{held_out}"
 
 
 def _log(output: Path, record: dict[str, Any], accelerator) -> None:

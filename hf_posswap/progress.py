@@ -1,4 +1,4 @@
-"""Progress of long work (evaluation windows, passkey trials, the demo's steps) on stderr.
+"""Progress of long work (evaluation windows, passkey trials, the demo's steps, fine-tuning steps) on stderr.
 
 On a terminal it is a tqdm bar with the elapsed time and an ETA; anywhere else (a log file, CI, a pipe) it is one
 plain line per finished step, plus a line every ``interval`` seconds inside a long step, each with the elapsed time
@@ -19,12 +19,13 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from torch import nn
+if TYPE_CHECKING:  # torch is imported on first use: the command line's --help imports this module without it
+    from torch import nn
 
 _TICKS = 1000  # bar resolution per unit of weight: layers move the bar inside a step
-_BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]"
+_BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]"
 
 
 def progress_disabled_by_environment() -> bool:
@@ -45,6 +46,8 @@ def duration(seconds: float) -> str:
 def repeated_layers(model: nn.Module) -> list[nn.Module]:
     """The model's stack of blocks (``model.layers``, ``transformer.h``, ``encoder.layer``): the ``ModuleList`` of
     one module type with the most items, ties broken by parameter count; empty when the model has none."""
+    from torch import nn
+
     best: list[nn.Module] = []
     best_key = (0, 0)
     for module in model.modules():
@@ -58,6 +61,7 @@ def repeated_layers(model: nn.Module) -> list[nn.Module]:
 class Progress:
     """Counted steps of work, optionally weighted by their expected cost (``weights``, one per step), reported on
     ``stream`` (default: stderr at the time of the call). ``unit`` names a step in the lines ("window", "trial").
+    ``start``: steps already done before this process began (a resumed run); the ETA counts only the time since.
 
     Plain lines: one per finished step (steps that end less than ``min_gap`` seconds after the previous line are
     folded into the next line, except the first and the last), and one every ``interval`` seconds inside a step."""
@@ -73,35 +77,43 @@ class Progress:
         stream: TextIO | None = None,
         interval: float = 10.0,
         min_gap: float = 1.0,
+        start: int = 0,
     ) -> None:
         if weights is not None and len(weights) != steps:
             raise ValueError(f"Progress: {len(weights)} weights for {steps} steps.")
+        if not 0 <= start <= steps:
+            raise ValueError(f"Progress: start {start} outside 0..{steps}.")
         self.desc, self.steps, self.unit, self.interval, self.min_gap = desc, steps, unit, interval, min_gap
         self.weights = [float(w) for w in weights] if weights is not None else [1.0] * steps
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled and steps > 0 and not progress_disabled_by_environment()
-        self.done = 0  # finished steps
+        self.done = self._start = start  # finished steps (``start`` of them before this process began)
         self.within = 0.0  # share of the current step done (from the layers that ran)
+        self._start_fraction = self._fraction()
         self.started = self._last_line = time.perf_counter()
         self._layers, self._layer_calls = 0, 0
         self._bar = None
         if self.enabled and _is_terminal(self.stream):
             from tqdm import tqdm
 
-            self._bar = tqdm(total=round(sum(self.weights) * _TICKS), desc=self._bar_label(), file=self.stream,
-                             leave=False, bar_format=_BAR_FORMAT, dynamic_ncols=True, smoothing=0)
+            total = round(sum(self.weights) * _TICKS)
+            self._bar = tqdm(total=total, initial=round(self._start_fraction * total), desc=self._bar_label(),
+                             file=self.stream, leave=False, bar_format=_BAR_FORMAT, dynamic_ncols=True, smoothing=0)
 
     # -- reporting -------------------------------------------------------------------------------------------------
 
     def step(self, note: str = "") -> None:
-        """One step finished (``note``: what it was, e.g. a scheme name, shown in the plain line)."""
+        """One step finished (``note``: what it was, e.g. a scheme name or the loss, shown in the plain line and
+        beside the bar)."""
         if not self.enabled:
             return
         self.done, self.within, self._layer_calls = min(self.done + 1, self.steps), 0.0, 0
         if self._bar is not None:
             self._bar.set_description_str(self._bar_label(), refresh=False)
+            if note:
+                self._bar.set_postfix_str(note, refresh=False)
             self._move_bar()
-        elif self.done in (1, self.steps) or time.perf_counter() - self._last_line >= self.min_gap:
+        elif self.done in (self._start + 1, self.steps) or time.perf_counter() - self._last_line >= self.min_gap:
             suffix = f" ({note})" if note else ""
             self._line(f"{self.unit} {self.done}/{self.steps} done{suffix}")
 
@@ -182,13 +194,38 @@ class Progress:
         if self.done >= self.steps:
             timing = f"finished in {duration(elapsed)}"
         else:
-            eta = duration(elapsed * (1 - fraction) / fraction) if fraction > 0 else "unknown"
+            progressed = fraction - self._start_fraction  # of the work done in this process
+            eta = duration(elapsed * (1 - fraction) / progressed) if progressed > 0 else "unknown"
             timing = f"{duration(elapsed)} elapsed, ETA {eta}"
         print(f"{self.desc}: {what}; {timing}", file=self.stream, flush=True)
         self._last_line = now
 
 
-def _is_terminal(stream: TextIO) -> bool:
+@contextlib.contextmanager
+def library_bars(show: bool) -> Iterator[None]:
+    """transformers' own bars ("Loading weights", "Writing model shards") hidden while inside unless ``show``;
+    restored on exit. Callers pass ``show=False`` with ``progress=False`` or when stderr is not a terminal (a log
+    gets no carriage returns). transformers is imported only when there is something to hide."""
+    if show:
+        yield
+        return
+    from transformers.utils import logging as transformers_logging
+
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            transformers_logging.enable_progress_bar()
+
+
+def is_terminal(stream: TextIO | None) -> bool:
+    """Whether ``stream`` is an open terminal (a bar would show there); ``False`` for files, pipes and ``None``."""
+    return _is_terminal(stream)
+
+
+def _is_terminal(stream: TextIO | None) -> bool:
     isatty = getattr(stream, "isatty", None)
     try:
         return bool(isatty()) if callable(isatty) else False
