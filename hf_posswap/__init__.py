@@ -11,7 +11,9 @@ swap API. LoRA helpers (peft) and ``export_standalone`` are imported on first us
 
 One process is different: the ``hf-posswap`` command itself (the console script, or ``python -m hf_posswap``). There
 the package stays light, without torch, so that ``hf-posswap --help`` answers at once; every public name still
-resolves on first use, and the commands register with transformers before they load a model.
+resolves on first use, and the commands register with transformers before they load a model. (The command is
+recognised by its console script's exact file name, so a program of your own named exactly ``hf-posswap``,
+without an extension, would skip the registration.)
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ _EXPORTS = {
     "export_standalone": "persistence.export",
 }
 _ON_FIRST_USE = ("persistence.adapters", "persistence.export")
+#: the names pip gives the ``hf-posswap`` console script (POSIX; Windows launcher and its script)
+_CONSOLE_SCRIPTS = ("hf-posswap", "hf-posswap.exe", "hf-posswap-script.py")
 #: the ``-m`` targets that are the command line
 _CLI_MODULES = ("hf_posswap", "hf_posswap.cli", "hf_posswap.cli.main", "hf_posswap.cli.finetune")
 
@@ -143,7 +147,7 @@ def __dir__() -> list[str]:
 def _command_line_process() -> bool:
     """Whether this process is the ``hf-posswap`` command (its console script, or ``python -m`` one of the CLI
     modules), which registers with transformers itself before it loads a model."""
-    if Path(sys.argv[0]).stem.removesuffix("-script") == "hf-posswap":
+    if Path(sys.argv[0]).name in _CONSOLE_SCRIPTS:
         return True
     argv = getattr(sys, "orig_argv", [])
     return any(flag == "-m" and target in _CLI_MODULES for flag, target in zip(argv, argv[1:], strict=False))

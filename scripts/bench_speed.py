@@ -1,4 +1,4 @@
-"""Protocol B (BENCHMARKS.md): speed of patched models against native, measured in one process.
+"""Protocol B (docs/benchmarks.md): speed of patched models against native, measured in one process.
 
 For each case (LLaMA -> alibi, LLaMA -> t5, GPT-2 -> rope by default) and each length, the native and the
 patched model run alternately (A/B, A/B, ...) and the script reports medians and the patched/native ratio for a

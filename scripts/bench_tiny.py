@@ -1,4 +1,4 @@
-"""Protocol A (BENCHMARKS.md): length generalization of tiny models trained from scratch, one per position scheme.
+"""Protocol A (docs/benchmarks.md): length generalization of tiny models trained from scratch, one per position scheme.
 
 Each model is a LLaMA-shaped byte-level decoder built from a config; its position scheme is set with
 ``hf_posswap.swap`` (RoPE is the model's own). It is trained at length L on Python's documentation topics plus ~20 %
@@ -54,7 +54,7 @@ class Settings:
     steps: int = 2500
     batch: int = 8
     lr: float = 3e-3
-    # share of sequences that are passkey / copy examples; at BENCHMARKS.md's ~20 % the RoPE model did not learn to
+    # share of sequences that are passkey / copy examples; at docs/benchmarks.md's ~20 % the RoPE model did not learn to
     # copy in 1,600 steps nor retrieve in 2,000; at 60 % ALiBi retrieved by ~2,200 (probes on 2 cores)
     synthetic: float = 0.6
     factors: tuple[int, ...] = (1, 2, 4, 8)

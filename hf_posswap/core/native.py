@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..edits import Edit
-from ..errors import InvalidConfigError, PosSwapError
+from ..errors import InvalidConfigError, NotSwappedError, PosSwapError
 from ..schemes.base import FRESH_MARK, NativeWeightsMissingWarning
 from .state import MODEL_TYPE_PREFIX, swap_state
 
@@ -187,6 +187,15 @@ def check_loaded(model: nn.Module) -> None:
     record = getattr(config, "posswap", None)
     if not record or swap_state(model) is not None:
         return
+    if getattr(type(config), "posswap_base_model_type", None):
+        # the config is a swapped model's (PosSwap<Config>) but the swap belongs to the module that holds it: this is
+        # a part of a swapped model, e.g. ``model.base_model``, shared config and all
+        raise NotSwappedError(
+            f"This {type(model).__name__} is a part of a model that hf_posswap swapped (it shares that model's "
+            "config), and the swap belongs to the whole model: call hf_posswap's swap / unswap / extend_context / "
+            "describe on the model you swapped or loaded (e.g. the *ForMaskedLM / *ForCausalLM), not on its "
+            "base_model."
+        )
     model_type = getattr(config, "model_type", None)
     family = FAMILY_REGISTRY.get(model_type) if model_type in FAMILY_REGISTRY else None
     if record_is_native(record, family):

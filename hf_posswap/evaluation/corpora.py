@@ -1,4 +1,4 @@
-"""Built-in evaluation text that needs no download (BENCHMARKS.md): Python's documentation topics (English prose)
+"""Built-in evaluation text that needs no download (docs/benchmarks.md): Python's documentation topics (English prose)
 and standard-library source (code)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ REFERENCE_FILES = ("typing.py", "argparse.py", "tarfile.py")
 
 def corpus_text(name: str) -> str:
     """``pydoc``: pydoc_data.topics in sorted order; ``stdlib``: the standard library's top-level .py files in sorted
-    order; ``reference``: typing.py + argparse.py + tarfile.py (the BENCHMARKS.md reference window)."""
+    order; ``reference``: typing.py + argparse.py + tarfile.py (the docs/benchmarks.md reference window)."""
     if name == "pydoc":
         from pydoc_data.topics import topics
 

@@ -1,5 +1,5 @@
 """A byte-level tokenizer built offline: 256 byte tokens + ``<eos>``, ``[MASK]``, ``[PAD]`` (259 ids). Used by the
-tiny-model benchmark (BENCHMARKS.md Protocol A) and the tests, so nothing is downloaded."""
+tiny-model benchmark (docs/benchmarks.md Protocol A) and the tests, so nothing is downloaded."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The real checkpoints that work offline (BENCHMARKS.md): SmolLM2-135M-Instruct (LLaMA) and all-MiniLM-L6-v2 (BERT).
+"""The real checkpoints that work offline (docs/benchmarks.md): SmolLM2-135M-Instruct (LLaMA), all-MiniLM-L6-v2 (BERT).
 
 Both come from packages on the package index, never from a model hub:
 
