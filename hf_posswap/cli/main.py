@@ -58,6 +58,18 @@ def _options(items: list[str]) -> dict[str, Any]:
     return options
 
 
+def _warn_replacing(model, scheme: str) -> None:
+    """The command replaces a swap the checkpoint already carries (as ``replace=True``): say so, and what is lost."""
+    from ..core.state import swap_state
+
+    state = swap_state(model)
+    if state is not None:
+        trained = ", ".join(name for name, _, trainable in state.new_parameters if trainable)
+        lost = f" (its parameters {trained} are dropped)" if trained else ""
+        print(f"hf-posswap swap: warning: the checkpoint already carries '{state.config.name}'; replacing it with "
+              f"'{scheme}'{lost}.", file=sys.stderr)
+
+
 def _check_scheme(name: str, options: dict[str, Any]) -> None:
     """An unknown scheme or a bad option fails here, before a model is loaded."""
     from ..schemes.base import SCHEME_REGISTRY
@@ -154,6 +166,7 @@ def _swap_command(argv: list[str]) -> int:
     _check_scheme(args.scheme, options)
     check_output_dir(args.output, args.overwrite)
     model, tokenizer, _ = _load(args.model)
+    _warn_replacing(model, args.scheme)
     swap(model, args.scheme, replace=swap_state(model) is not None, **options)
     _save(model, tokenizer, args.output, args.overwrite)
     print(describe(model))
@@ -202,8 +215,14 @@ def _inspect(argv: list[str]) -> int:
         swap(model, args.scheme, replace=swap_state(model) is not None)
     check_lengths_fit(model, args.length)
     Path(args.output).mkdir(exist_ok=True)
-    for path in position_pictures(model, args.output, args.length):
+    paths = position_pictures(model, args.output, args.length)
+    for path in paths:
         print(f"wrote {path}")
+    if not paths:  # NoPE: nothing carries position, so there is no picture to draw
+        scheme = swap_state(model).config.name if swap_state(model) is not None else "native"
+        print(f"hf-posswap inspect: scheme '{scheme}' carries no position signal to draw; nothing was written.",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -116,11 +116,11 @@ def _plan(n_tokens: int, length: int, mode: str, stride: int | None, tail_from: 
     starts = list(range(0, n_tokens - length + 1, length))
     if mode == "tail":
         if tail_from is None:
-            tail_from = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+            tail_from = trained_length(model)
         if not isinstance(tail_from, int) or isinstance(tail_from, bool) or not 0 < tail_from < length:
             raise InvalidConfigError(
-                f"Tail NLL needs 0 < tail_from < length={length}, got {tail_from}; pass tail_from (e.g. the trained "
-                "length) and a longer length."
+                f"Tail NLL needs 0 < tail_from < length={length}, got {tail_from}; pass tail_from (--tail-from; e.g. "
+                "the trained length) and a longer length."
             )
         return starts, [tail_from] * len(starts)
     return starts, [1] * len(starts)
@@ -128,3 +128,17 @@ def _plan(n_tokens: int, length: int, mode: str, stride: int | None, tail_from: 
 
 def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def trained_length(model: nn.Module) -> int | None:
+    """The context length the model was trained at: before ``extend_context`` when it was extended (its record in
+    ``config.posswap``, or RoPE's ``original_max_position_embeddings``), else ``max_position_embeddings``."""
+    config = getattr(model, "config", None)
+    record = getattr(config, "posswap", None)
+    extension = record.get("extension") if isinstance(record, dict) else None
+    if isinstance(extension, dict) and isinstance(extension.get("original_max_position_embeddings"), int):
+        return extension["original_max_position_embeddings"]
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and isinstance(rope.get("original_max_position_embeddings"), int):
+        return rope["original_max_position_embeddings"]
+    return getattr(config, "max_position_embeddings", None)

@@ -178,7 +178,7 @@ def position_pictures(model: nn.Module, directory: str | os.PathLike[str], lengt
         where = f" (layer 0 of {len(tables)})" if tables is not None and len(tables) > 1 else ""
         figure = bias_figure(bias, f"{state.config.name}{where}", causal)
         return [_save(figure, directory / "bias_per_head.png")]
-    if kind == "rotary" or adapter.rotary_module_path:
+    if kind == "rotary" or (state is None and adapter.rotary_module_path):  # a swap to none/bias has no rotary
         return [_rope_curve(model, adapter, directory / "rope_qk_vs_distance.png", length)]
     return []
 

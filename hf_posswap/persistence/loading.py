@@ -317,6 +317,9 @@ def load_tokenizer(source: ModelSource, required: bool = False):
     refused naming the missing files, not with transformers' advice to install sentencepiece."""
     from transformers import AutoTokenizer
 
+    from .autoload import register
+
+    register()  # AutoTokenizer reads config.json too: a swapped model type must be known (no "type ``" warning)
     candidates = [source] + ([source.base] if source.base is not None else [])
     for candidate in candidates:
         if candidate.kind != "hub":

@@ -244,12 +244,17 @@ def build_parser(prog: str = "hf-posswap finetune",
 
 
 def parse_options(items: list[str]) -> dict[str, Any]:
-    """``["num_buckets=64", "scaling={...}"]`` -> dict; values are JSON when they parse, else strings."""
+    """``["num_buckets=64", "scaling={...}"]`` -> dict; values are JSON when they parse (Python's ``True``,
+    ``False`` and ``None`` are read as JSON's ``true``, ``false`` and ``null``), else strings."""
     options: dict[str, Any] = {}
+    python_words = {"True": True, "False": False, "None": None}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise InvalidConfigError(f"Options are KEY=VALUE, got {item!r}.")
+        if value in python_words:
+            options[key] = python_words[value]
+            continue
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
