@@ -157,28 +157,22 @@ def _eval(argv: list[str]) -> int:
 
 def _swap_command(argv: list[str]) -> int:
     args = PARSERS["swap"]().parse_args(argv)
-    from ..core.describe import describe
     from ..core.state import swap_state
     from ..core.swap import swap
-    from ..persistence.saving import check_output_dir
 
     options = _options(args.option)
     _check_scheme(args.scheme, options)
-    check_output_dir(args.output, args.overwrite)
-    model, tokenizer, _ = _load(args.model)
-    _warn_replacing(model, args.scheme)
-    swap(model, args.scheme, replace=swap_state(model) is not None, **options)
-    _save(model, tokenizer, args.output, args.overwrite)
-    print(describe(model))
-    print(f"wrote {args.output}")
-    return 0
+
+    def change(model) -> None:
+        _warn_replacing(model, args.scheme)
+        swap(model, args.scheme, replace=swap_state(model) is not None, **options)
+
+    return _load_change_save(args, change)
 
 
 def _extend_command(argv: list[str]) -> int:
     args = PARSERS["extend"]().parse_args(argv)
-    from ..core.describe import describe
     from ..core.extend import available_extension_methods, extend_context
-    from ..persistence.saving import check_output_dir
 
     if args.to < 1:
         raise InvalidConfigError(f"--to {args.to}: the new context length must be a positive number of tokens.")
@@ -186,9 +180,17 @@ def _extend_command(argv: list[str]) -> int:
         raise InvalidConfigError(f"--method {args.method!r} is unknown; choose from "
                                  f"{', '.join(available_extension_methods())}.")
     options = _options(args.option)
+    return _load_change_save(args, lambda model: extend_context(model, args.to, args.method, **options))
+
+
+def _load_change_save(args, change) -> int:
+    """``swap`` and ``extend``: check the output, load ``--model``, change it, save it with its tokenizer, describe."""
+    from ..core.describe import describe
+    from ..persistence.saving import check_output_dir
+
     check_output_dir(args.output, args.overwrite)
     model, tokenizer, _ = _load(args.model)
-    extend_context(model, args.to, args.method, **options)
+    change(model)
     _save(model, tokenizer, args.output, args.overwrite)
     print(describe(model))
     print(f"wrote {args.output}")

@@ -117,7 +117,7 @@ def extend_parser() -> OneLineParser:
     parser.add_argument("--model", required=True, help="checkpoint directory (a LoRA adapter is merged first)")
     parser.add_argument("--to", type=int, required=True, help="new context length in tokens")
     parser.add_argument("--method", help=f"one of {', '.join(EXTENSION_METHODS)} (default: yarn for RoPE, "
-                                         "interpolate for learned tables)")
+                                         "interpolate for learned tables, lift otherwise)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=JSON",
                         help="a method option, e.g. --option beta_fast=16 (repeatable)")
     parser.add_argument("--output", required=True, help="directory to write (the --model directory with --overwrite)")
