@@ -68,9 +68,14 @@ class Collector(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.messages: list[str] = []
+        self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+        # transformers does not propagate to the root logger unless something enabled it earlier in the session
+        # (then the same record reaches this handler twice): count each record once
+        if not any(seen is record for seen in self.records):
+            self.records.append(record)
+            self.messages.append(record.getMessage())
 
 
 @pytest.fixture
