@@ -22,6 +22,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from ..schemes.base import FusedCall
 from ..schemes.rope import apply_rotary
 from .context import CONTEXT_KWARG, PositionContext
 from .self_extend import self_extend_attention
@@ -136,6 +137,40 @@ def scheme_inputs(
     return query, key, merged
 
 
+def fused_bias_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    context: PositionContext | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """Output [B, q, H, D] from the bias scheme's fused form (no dense ``[B, H, q, kv]`` bias), or None when the
+    scheme has none or declines this call (then the dense path runs)."""
+    if context is None or context.kind != "bias" or context.positions is None:
+        return None
+    if not context.is_self_attention(module):
+        return None
+    query_pos, key_pos = context.query_key_positions(query.shape[2], key.shape[2], query.device)
+    call = FusedCall(
+        query=query,
+        key=key,
+        value=value,
+        attention_mask=attention_mask,
+        query_pos=query_pos,
+        key_pos=key_pos,
+        layer_idx=getattr(module, "layer_idx", 0) or 0,
+        causal=bool(getattr(module, "is_causal", True)),
+        scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
+        dropout=dropout if module.training else 0.0,
+        memo=context.memo,
+    )
+    return context.positions.fused_attention(call)
+
+
 def _needs_self_extend(module: nn.Module, query: torch.Tensor, context: PositionContext | None) -> bool:
     """Self-Extend runs only past the original length, and only in self-attention."""
     if context is None or context.self_extend is None or not context.is_self_attention(module):
@@ -143,7 +178,10 @@ def _needs_self_extend(module: nn.Module, query: torch.Tensor, context: Position
     return context.query_offset + query.shape[2] > context.self_extend[2]
 
 
-def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> Callable[..., Any]:
+def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], fused: bool) -> Callable[..., Any]:
+    """The attention function that reads the position context, then runs ``inner`` (eager or sdpa); with ``fused``,
+    a bias scheme's fused form runs instead where it has one (sdpa returns no weights, so nothing is lost)."""
+
     def posswap_attention(
         module: nn.Module,
         query: torch.Tensor,
@@ -155,6 +193,10 @@ def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> 
         context = kwargs.pop(CONTEXT_KWARG, None)
         if _needs_self_extend(module, query, context):
             return self_extend_attention(module, query, key, value, attention_mask, context, **kwargs)
+        if fused:
+            output = fused_bias_attention(module, query, key, value, attention_mask, context, **kwargs)
+            if output is not None:
+                return output, None
         query, key, attention_mask = scheme_inputs(module, query, key, attention_mask, context)
         return inner(module, query, key, value, attention_mask, **kwargs)
 
@@ -163,8 +205,8 @@ def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> 
 
 def register_attention_functions() -> None:
     """Register ``posswap_eager`` / ``posswap_sdpa`` and their mask builders (idempotent)."""
-    AttentionInterface.register(EAGER, _carrier(eager_attention))
-    AttentionInterface.register(SDPA, _carrier(sdpa_attention_forward))
+    AttentionInterface.register(EAGER, _carrier(eager_attention, fused=False))
+    AttentionInterface.register(SDPA, _carrier(sdpa_attention_forward, fused=True))
     AttentionMaskInterface.register(EAGER, eager_mask)
     AttentionMaskInterface.register(SDPA, sdpa_mask)
 

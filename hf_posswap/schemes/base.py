@@ -207,6 +207,38 @@ class BiasPositions(nn.Module):
     ) -> torch.Tensor:
         raise NotImplementedError
 
+    def fused_attention(self, call: FusedCall) -> torch.Tensor | None:
+        """Attention with this bias without building the dense ``[B, H, q, kv]`` bias: output [B, q, H, D].
+
+        Return ``None`` when ``call`` needs the dense path (the default: every scheme has the dense path; a scheme
+        overrides this where an exact cheaper form exists). Only the sdpa carrier asks; eager attention, which must
+        return the attention weights, always takes the dense path, so eager = sdpa checks every fused form.
+        """
+        return None
+
+
+@dataclass
+class FusedCall:
+    """One self-attention call as a bias scheme's :meth:`BiasPositions.fused_attention` sees it.
+
+    ``query`` [B, H, q, D]; ``key``/``value`` [B, Hkv, kv, D] (grouped heads not expanded); positions [q], [kv]
+    (or [B, q], [B, kv] for explicit per-row positions); ``attention_mask`` as transformers' sdpa mask builder
+    made it (``None``: no padding — causal models then rely on causality, encoders see every key — or a bool /
+    float mask [B or 1, 1, q, kv]).
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attention_mask: torch.Tensor | None
+    query_pos: torch.Tensor
+    key_pos: torch.Tensor
+    layer_idx: int
+    causal: bool
+    scaling: float
+    dropout: float
+    memo: dict
+
 
 class NoPositions(AbsolutePositions):
     """Zero vectors: stands in for a model's absolute table when the table is removed (NoPE and every
