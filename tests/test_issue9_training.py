@@ -378,14 +378,14 @@ def test_both_entry_points_print_one_line_and_fail(workspace, tmp_path, entry, f
 
 
 @pytest.mark.parametrize(("flags", "named"), [
-    (["--output", ""], "FinetuneConfig.output must be a non-empty path, got ''"),
+    (["--output", ""], "--output must be a non-empty path, got ''"),
     (["--scheme", "alibu"], "Unknown position scheme 'alibu'"),
     (["--scheme", "t5", "--scheme-option", "num_buckets=-3"], "num_buckets must be an integer >= 2, got -3"),
     (["--extend-to", "128", "--extend-method", "yarnn"], "Unknown extension method 'yarnn'"),
-    (["--extend-method", "yarn"], "extend_method='yarn' needs extend_to"),
-    (["--extend-to", "0"], "extend_to must be a positive integer or None, got 0"),
+    (["--extend-method", "yarn"], "--extend-method 'yarn' needs --extend-to"),
+    (["--extend-to", "0"], "--extend-to must be a positive integer or None, got 0"),
     (["--seq-len", "1"], "--seq-len 1 leaves nothing to predict for a causal LM"),
-    (["--resume", "--overwrite-output-dir"], "resume and overwrite_output_dir exclude each other"),
+    (["--resume", "--overwrite-output-dir"], "--resume and --overwrite-output-dir exclude each other"),
 ])
 def test_more_bad_settings_are_refused_before_loading(workspace, tmp_path, capsys, no_model_loading, flags,
                                                       named) -> None:

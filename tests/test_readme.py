@@ -275,4 +275,4 @@ def test_cli_swap_and_extend(tmp_path) -> None:
                           "32", "--output", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1
     assert bad.stderr.strip().splitlines()[-1].startswith(
-        "hf-posswap extend: max_positions=32 is shorter than the model's current length 64")
+        "hf-posswap extend: --to 32 is shorter than the model's current length 64")

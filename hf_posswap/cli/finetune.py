@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import PosSwapError
+from ..errors import PosSwapError, one_line
 from .parser import finetune_parser
+from .wording import in_cli_words
 
 __all__ = ["main"]
 
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = finetune(config_from_args(args))
     except PosSwapError as error:
-        print(f"{PROG}: {' '.join(str(error).split())}", file=sys.stderr)
+        print(f"{PROG}: {in_cli_words('finetune', one_line(error))}", file=sys.stderr)
         return 1
     except OSError as error:  # a full disk or a read-only directory while writing the run
         print(f"{PROG}: {type(error).__name__}: {' '.join(str(error).split())}", file=sys.stderr)

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 from ..errors import InvalidConfigError, PosSwapError, one_line
 from .parser import PARSERS, UsageError
+from .wording import in_cli_words
 
 
 def _schemes(argv: list[str]) -> int:
@@ -325,7 +326,7 @@ def _run(argv: list[str]) -> int:
     except BrokenPipeError:
         raise
     except (PosSwapError, OSError) as error:
-        print(f"hf-posswap {command}: {one_line(error)}", file=sys.stderr)
+        print(f"hf-posswap {command}: {in_cli_words(command, one_line(error))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"hf-posswap {command}: interrupted; outputs are written atomically, so nothing half-written was "

@@ -1,0 +1,64 @@
+"""The command line's errors suggest fixes the user can type: options of the command, never Python calls
+(``overwrite=True``, ``hf_posswap.available_schemes()``, ``LearnedConfig(max_positions=...)``, ``tail_from``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import save_tiny_checkpoint
+
+from hf_posswap.cli import main
+from hf_posswap.cli.wording import in_cli_words
+
+#: phrases of the Python API that a command-line user cannot type
+PYTHON_WORDS = re.compile(r"hf_posswap\.\w+\(|\w=True|\w=False|[A-Z]\w*Config[.(]|\btail_from\b|"
+                          r"(?<!--option )\bmax_positions=|\bextend_context\b|\bscheme_options\b|\bmerge_lora\b")
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("wording")
+    save_tiny_checkpoint("gpt2", root / "gpt2")  # learned table of 64 positions
+    (root / "full").mkdir()
+    (root / "full" / "config.json").write_text("{}")
+    return root
+
+
+CASES = {
+    "unknown-scheme": (["swap", "--model", "{gpt2}", "--scheme", "alibbi", "--output", "{tmp}/a"],
+                       "List them with `hf-posswap schemes`."),
+    "output-not-empty": (["swap", "--model", "{gpt2}", "--scheme", "alibi", "--output", "{full}"],
+                         "or pass --overwrite to replace"),
+    "shrinking-table": (["swap", "--model", "{gpt2}", "--scheme", "learned", "--option", "max_positions=8",
+                         "--output", "{tmp}/b"], "--option max_positions=8 would shrink"),
+    "extend-shorter": (["extend", "--model", "{gpt2}", "--to", "8", "--output", "{tmp}/c"],
+                       "--to 8 is shorter than the model's current length 64"),
+    "tail-past-length": (["eval", "--model", "{gpt2}", "--lengths", "16", "--mode", "tail"],
+                         "pass --tail-from"),
+    "merge-without-lora": (["finetune", "--model", "{gpt2}", "--data", "x", "--output", "{tmp}/d", "--merge-lora"],
+                           "--merge-lora needs --lora."),
+    "seq-len-zero": (["finetune", "--model", "{gpt2}", "--data", "x", "--output", "{tmp}/e", "--seq-len", "0"],
+                     "--seq-len must be a positive integer, got 0."),
+    "option-without-scheme": (["finetune", "--model", "{gpt2}", "--data", "x", "--output", "{tmp}/f",
+                               "--scheme-option", "a=1"], "--scheme-option {'a': 1} needs a --scheme"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cli_errors_name_options_not_python_calls(case: str, ws: Path, tmp_path: Path, capsys) -> None:
+    argv, expected = CASES[case]
+    argv = [arg.format(gpt2=ws / "gpt2", full=ws / "full", tmp=tmp_path) for arg in argv]
+    assert main(argv) == 1
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1, error
+    assert expected in error, error
+    assert not PYTHON_WORDS.search(error.split(":", 1)[1]), error
+
+
+def test_the_rewrites_leave_other_commands_and_other_text_alone() -> None:
+    message = "max_positions=8 is shorter than the model's current length 64"
+    assert in_cli_words("extend", message).startswith("--to 8 is shorter")
+    assert in_cli_words("swap", message) == message  # only `extend` has --to
+    assert in_cli_words("eval", "nothing to rewrite here") == "nothing to rewrite here"
