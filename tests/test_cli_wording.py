@@ -62,3 +62,20 @@ def test_the_rewrites_leave_other_commands_and_other_text_alone() -> None:
     assert in_cli_words("extend", message).startswith("--to 8 is shorter")
     assert in_cli_words("swap", message) == message  # only `extend` has --to
     assert in_cli_words("eval", "nothing to rewrite here") == "nothing to rewrite here"
+
+
+def test_schemes_lists_every_option_with_its_default_and_what_it_does(capsys) -> None:
+    import dataclasses
+
+    from hf_posswap.schemes.base import SCHEME_REGISTRY
+
+    assert main(["schemes"]) == 0
+    printed = capsys.readouterr().out
+    options = printed.split("Scheme options (pass with --option KEY=VALUE):", 1)[1]
+    for name in SCHEME_REGISTRY.names():
+        config_cls = SCHEME_REGISTRY.get(name)
+        assert f"\n  {name} ({config_cls.kind}): " in options
+        for field in dataclasses.fields(config_cls):
+            line = next((line for line in options.splitlines() if line.startswith(f"      {field.name}=")), None)
+            assert line is not None, f"{name}.{field.name} is not listed"
+            assert re.match(rf"^      {field.name}=\S+  \S.{{10,}}", line), f"{name}.{field.name} undescribed: {line!r}"

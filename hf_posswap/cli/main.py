@@ -23,9 +23,11 @@ from .wording import in_cli_words
 
 def _schemes(argv: list[str]) -> int:
     PARSERS["schemes"]().parse_args(argv)
-    from .matrix import support_matrix_markdown
+    from .matrix import scheme_options_text, support_matrix_markdown
 
     print(support_matrix_markdown())
+    print()
+    print(scheme_options_text())
     return 0
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import re
+
 from ..families.base import FAMILY_REGISTRY
 from ..schemes.base import SCHEME_REGISTRY
 
@@ -31,4 +35,42 @@ def support_matrix_markdown() -> str:
     lines = ["| family (model_type) | " + " | ".join(f"`{s}`" for s in schemes) + " |", "|---|" + "---|" * len(schemes)]
     for family in FAMILY_REGISTRY.names():
         lines.append(f"| `{family}` | " + " | ".join(support_cell(family, s) for s in schemes) + " |")
+    return "\n".join(lines)
+
+
+def _documented_args(config_cls: type) -> dict[str, str]:
+    """``name: text`` entries of the ``Args:`` section of a config class's docstring (continuation lines joined)."""
+    doc = inspect.getdoc(config_cls) or ""
+    section = doc.split("Args:", 1)[1] if "Args:" in doc else ""
+    entries: dict[str, str] = {}
+    name = None
+    for line in section.splitlines():
+        match = re.match(r"^    (\w+):\s*(.*)$", line)
+        if match:
+            name = match.group(1)
+            entries[name] = match.group(2)
+        elif name and line.startswith("        "):
+            entries[name] += " " + line.strip()
+        elif line.strip() and not line.startswith(" "):
+            break  # the next section
+    return entries
+
+
+def scheme_options_text() -> str:
+    """Every scheme with its options (``--option KEY=VALUE``), their defaults and what they do."""
+    lines = ["Scheme options (pass with --option KEY=VALUE):"]
+    for name in SCHEME_REGISTRY.names():
+        config_cls = SCHEME_REGISTRY.get(name)
+        summary = " ".join((inspect.getdoc(config_cls) or "").split("\n\n", 1)[0].split())  # first paragraph
+        lines.append(f"  {name} ({config_cls.kind}): {summary}")
+        documented = _documented_args(config_cls)
+        fields = [field for field in dataclasses.fields(config_cls) if field.init]
+        if not fields:
+            lines.append("      no options")
+        for field in fields:
+            default = field.default if field.default is not dataclasses.MISSING else "required"
+            if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                default = field.default_factory()  # type: ignore[misc]
+            text = documented.get(field.name, "")
+            lines.append(f"      {field.name}={default!r}" + (f"  {text}" if text else ""))
     return "\n".join(lines)
