@@ -21,6 +21,7 @@ PYTHON_WORDS = re.compile(r"hf_posswap\.\w+\(|\w=True|\w=False|[A-Z]\w*Config[.(
 def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("wording")
     save_tiny_checkpoint("gpt2", root / "gpt2")  # learned table of 64 positions
+    save_tiny_checkpoint("llama", root / "llama")
     (root / "full").mkdir()
     (root / "full" / "config.json").write_text("{}")
     return root
@@ -79,3 +80,14 @@ def test_schemes_lists_every_option_with_its_default_and_what_it_does(capsys) ->
             line = next((line for line in options.splitlines() if line.startswith(f"      {field.name}=")), None)
             assert line is not None, f"{name}.{field.name} is not listed"
             assert re.match(rf"^      {field.name}=\S+  \S.{{10,}}", line), f"{name}.{field.name} undescribed: {line!r}"
+
+
+def test_export_of_a_natively_extended_checkpoint_says_it_already_loads_without_hf_posswap(ws, tmp_path,
+                                                                                          capsys) -> None:
+    assert main(["extend", "--model", str(ws / "llama"), "--to", "256", "--method", "yarn", "--output",
+                 str(tmp_path / "long")]) == 0
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "long"), str(tmp_path / "out")]) == 1
+    error = capsys.readouterr().err.strip()
+    assert "already loads without hf_posswap: its positions ('rope', extended with 'yarn')" in error, error
+    assert "carries no" not in error and not (tmp_path / "out").exists()

@@ -105,6 +105,7 @@ def _save(model, tokenizer, output: str, overwrite: bool) -> None:
 
 def _export(argv: list[str]) -> int:
     args = PARSERS["export"]().parse_args(argv)
+    from ..core.state import MODEL_TYPE_PREFIX
     from ..persistence.export import export_standalone
     from ..persistence.loading import inspect_model_path
     from ..persistence.saving import check_output_dir
@@ -116,6 +117,17 @@ def _export(argv: list[str]) -> int:
         raise InvalidConfigError(
             f"checkpoint {args.checkpoint!r} carries no hf_posswap swap (its config.json has no posswap record): "
             "it already loads with plain transformers; copy it instead of exporting."
+        )
+    model_type = str(source.config.get("model_type", ""))
+    if swapped and not model_type.startswith(MODEL_TYPE_PREFIX):  # a swap transformers expresses by itself
+        record = source.config.get("posswap") if isinstance(source.config.get("posswap"), dict) else {}
+        extension = record.get("extension") if isinstance(record.get("extension"), dict) else {}
+        what = f"'{record.get('scheme', 'native')}'" + (f", extended with '{extension['method']}'"
+                                                       if extension.get("method") else "")
+        raise InvalidConfigError(
+            f"checkpoint {args.checkpoint!r} already loads without hf_posswap: its positions ({what}) are "
+            f"written in transformers' own config (model_type '{model_type}'), so plain "
+            "AutoModel*.from_pretrained reads them; there is nothing to export: copy the folder instead."
         )
     model, tokenizer, _ = _load(args.checkpoint)
     path = export_standalone(model, args.output, overwrite=args.overwrite, tokenizer=tokenizer)
