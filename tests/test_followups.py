@@ -184,3 +184,15 @@ def test_a_user_script_named_hf_posswap_py_still_registers(ws, tmp_path) -> None
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                             env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-1000:]
+
+
+def test_describe_says_what_the_extension_record_holds() -> None:
+    from conftest import make_model
+
+    import hf_posswap as ps
+
+    model = make_model("llama")
+    ps.extend_context(model, 256, "yarn")
+    changes = [line for line in str(ps.describe(model)).splitlines() if "config.posswap.extension" in line]
+    assert changes == ["    - config.posswap.extension = {'method': 'yarn', 'original_max_position_embeddings': 64, "
+                       "'max_position_embeddings': 256}"]

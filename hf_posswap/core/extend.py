@@ -258,9 +258,9 @@ def _apply_length_edits(
     config_length = original if method == "dynamic" else max_positions
     edits: list[Edit] = adapter.length_edits(model, config_length)
     posswap_record = {**getattr(model.config, CONFIG_RECORD, {}), "extension": record}
-    edits.append(
-        SetAttribute(model.config, CONFIG_RECORD, lambda: posswap_record, where=f"config.{CONFIG_RECORD}.extension")
-    )
+    shown = {key: value for key, value in record.items() if key != "scaling"}  # the scaling is in the record above
+    edits.append(SetAttribute(model.config, CONFIG_RECORD, lambda: posswap_record,
+                              where=f"config.{CONFIG_RECORD}.extension = {shown}"))
     apply_all(edits)
     state.edits.extend(edits)  # type: ignore[union-attr]
     state.extension = record  # type: ignore[union-attr]
