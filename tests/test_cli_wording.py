@@ -91,3 +91,14 @@ def test_export_of_a_natively_extended_checkpoint_says_it_already_loads_without_
     error = capsys.readouterr().err.strip()
     assert "already loads without hf_posswap: its positions ('rope', extended with 'yarn')" in error, error
     assert "carries no" not in error and not (tmp_path / "out").exists()
+
+
+def test_a_too_short_passkey_is_refused_before_the_model_loads(ws, capsys, monkeypatch) -> None:
+    from hf_posswap.persistence import loading
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the passkey lengths were checked")
+
+    monkeypatch.setattr(loading, "load_model", no_model)
+    assert main(["eval", "--model", str(ws / "llama"), "--passkey-lengths", "5"]) == 1
+    assert "Passkey length 5 is shorter than the needle and the question alone" in capsys.readouterr().err

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=512, help="tokens of text for the perplexity column")
     parser.add_argument("--checkpoint", default=None, help="a LLaMA-like checkpoint directory instead of SmolLM2")
     parser.add_argument("--extension-lengths", nargs="*", type=int, default=[4096, 12288],
-                        help="window lengths for the context-extension part (none: skip it)")
+                        help="window lengths for the context-extension part (give the flag with no lengths to skip it)")
     parser.add_argument("--output", default="outputs/demo", help="where the plot and the extended model go")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bars or progress lines on stderr (results still go to stdout)")

@@ -137,7 +137,7 @@ def _export(argv: list[str]) -> int:
 
 def _eval(argv: list[str]) -> int:
     args = PARSERS["eval"]().parse_args(argv)
-    from ..evaluation import evaluate
+    from ..evaluation import check_passkey_lengths, evaluate
     from ..evaluation.checks import check_results_output, check_settings
     from ..persistence.loading import inspect_model_path, load_model, load_tokenizer
     from ..persistence.user_files import read_text_files
@@ -157,6 +157,7 @@ def _eval(argv: list[str]) -> int:
             "perplexity and passkey retrieval do not apply to it. Evaluate a causal LM (GPT-2, LLaMA, ...)."
         )
     tokenizer = load_tokenizer(source, required=True)
+    check_passkey_lengths(tokenizer, args.passkey_lengths)  # needs only the tokenizer: before the model loads
     model = load_model(source, "causal")
     results = evaluate(model, tokenizer, args.lengths, text=text, corpus=args.corpus, modes=args.mode,
                        stride=args.stride, tail_from=args.tail_from, max_windows=args.max_windows or None,

@@ -31,6 +31,7 @@ __all__ = [
     "Progress",
     "corpus_text",
     "byte_tokenizer",
+    "check_passkey_lengths",
     "evaluate",
     "passkey_accuracy",
     "passkey_prompt",
@@ -93,6 +94,20 @@ def evaluate(
     return results
 
 
+def check_passkey_lengths(tokenizer, passkey_lengths: Sequence[int]) -> None:
+    """Every passkey prompt must hold at least the needle and the question (needs only the tokenizer, so callers
+    can check this before loading a model)."""
+    if not passkey_lengths:
+        return
+    shortest = shortest_passkey_length(tokenizer)
+    too_short = [length for length in passkey_lengths if length < shortest]
+    if too_short:
+        raise InvalidConfigError(
+            f"Passkey length {too_short[0]} is shorter than the needle and the question alone ({shortest} tokens); "
+            f"use passkey lengths >= {shortest}."
+        )
+
+
 def _check_before_running(model: nn.Module, tokenizer, token_ids: torch.Tensor, lengths: Sequence[int],
                           modes: Sequence[str], stride: int | None, tail_from: int | None,
                           passkey_lengths: Sequence[int]) -> None:
@@ -101,14 +116,9 @@ def _check_before_running(model: nn.Module, tokenizer, token_ids: torch.Tensor, 
         for mode in modes:
             plan_windows(model, token_ids, length, mode, stride, tail_from)
     check_lengths_fit(model, max(passkey_lengths, default=0))  # before a long prompt is built for nothing
+    check_passkey_lengths(tokenizer, passkey_lengths)
     prompts = []
     for length in passkey_lengths:
-        shortest = shortest_passkey_length(tokenizer)
-        if length < shortest:
-            raise InvalidConfigError(
-                f"Passkey length {length} is shorter than the needle and the question alone ({shortest} tokens); "
-                f"use passkey lengths >= {shortest}."
-            )
         prompts.append(passkey_prompt(tokenizer, length, 0.5, "12345").numel() + 8)  # + the answer's tokens
     check_lengths_fit(model, max([*lengths, *prompts], default=0))
     check_vocabulary(model, tokenizer)
