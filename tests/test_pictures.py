@@ -82,12 +82,12 @@ def test_bidirectional_bias_is_not_masked(tmp_path, figures) -> None:
 def test_untrained_t5_says_its_tables_are_zero(tmp_path, figures) -> None:
     model = _tiny("llama", "t5", tmp_path)
     plots.position_pictures(model, tmp_path / "pictures", length=16)
-    texts = [text.get_text() for text in figures[0].texts]
-    assert any("tables are zero until trained" in text for text in texts)
+    assert "tables are zero until trained" in figures[0]._suptitle.get_text()
+    assert [t for t in figures[0].texts if t is not figures[0]._suptitle] == []  # no box over the panels
     with torch.no_grad():
         model.model.posswap_positions.tables[0].weight.normal_()
     plots.position_pictures(model, tmp_path / "pictures", length=16)
-    assert not any("zero until trained" in text.get_text() for text in figures[1].texts)
+    assert "zero until trained" not in figures[1]._suptitle.get_text()
 
 
 def test_one_scale_across_heads_of_different_ranges() -> None:
@@ -163,3 +163,16 @@ def test_plot_cli_shows_the_warning_on_stderr(tmp_path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "'broken' has no tail perplexity rows" in result.stderr and "left out of the picture" in result.stderr
     assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_passkey_heatmap_names_its_run(tmp_path, figures) -> None:
+    import json
+
+    from hf_posswap.cli import main
+
+    run = _run({512: 20.0}, {})
+    run["passkey"] = [{"length": 512, "depth": d, "accuracy": a} for d, a in ((0.0, 1.0), (0.5, 0.4))]
+    (tmp_path / "yarn-32k.json").write_text(json.dumps(run))
+    assert main(["plot", str(tmp_path / "yarn-32k.json"), "--output", str(tmp_path / "ppl.png"),
+                 "--passkey-output", str(tmp_path / "passkey.png")]) == 0
+    assert figures[-1].axes[0].get_title() == "Passkey retrieval: yarn-32k"

@@ -259,7 +259,8 @@ def _plot(argv: list[str]) -> int:
     runs = load_runs(args.runs, args.mode, passkey=bool(args.passkey_output))
     print(f"wrote {plot_perplexity(runs, args.output, args.mode, args.trained_length)}")
     if args.passkey_output:
-        print(f"wrote {plot_passkey(next(iter(runs.values())), args.passkey_output)}")
+        label, results = next(iter(runs.items()))  # the first run: the picture names it
+        print(f"wrote {plot_passkey(results, args.passkey_output, title=f'Passkey retrieval: {label}')}")
     return 0
 
 

@@ -230,10 +230,8 @@ def bias_figure(bias: torch.Tensor, scheme: str, causal: bool):
             axis.set_xlabel("key position")
     figure.colorbar(image, ax=axes.ravel().tolist(), label="bias added to the attention logit", shrink=0.9)
     masked = "; future keys (key > query) masked: causal" if causal else ""
-    figure.suptitle(f"{scheme} logit bias per head, {length} positions\nquery x key{masked}")
-    if not shown.any():
-        figure.text(0.5, 0.5, ZERO_BIAS_NOTE, ha="center", va="center", fontsize=11,
-                    bbox={"facecolor": "white", "edgecolor": "black", "alpha": 0.9})
+    note = f"\n{ZERO_BIAS_NOTE}" if not shown.any() else ""  # in the title, where it covers no panel
+    figure.suptitle(f"{scheme} logit bias per head, {length} positions\nquery x key{masked}{note}")
     return figure
 
 
