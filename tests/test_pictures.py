@@ -176,3 +176,11 @@ def test_the_passkey_heatmap_names_its_run(tmp_path, figures) -> None:
     assert main(["plot", str(tmp_path / "yarn-32k.json"), "--output", str(tmp_path / "ppl.png"),
                  "--passkey-output", str(tmp_path / "passkey.png")]) == 0
     assert figures[-1].axes[0].get_title() == "Passkey retrieval: yarn-32k"
+
+
+def test_measured_values_are_written_where_they_were_measured() -> None:
+    runs = {"no scaling": _run({4096: 8.57, 12288: 8.6}, {12288: 10.72}), "yarn": _run({4096: 9.37, 12288: 7.8}, {})}
+    (axis,) = perplexity_figure(runs, mode=None, trained_length=8192).axes
+    written = sorted((text.xy, text.get_text()) for text in axis.texts)
+    assert written == [((4096, 8.57), "8.57"), ((4096, 9.37), "9.37"), ((12288, 7.8), "7.80"),
+                       ((12288, 8.6), "8.60"), ((12288, 10.72), "10.72")]  # nothing at 8,192, where lines cross

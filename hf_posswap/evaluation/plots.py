@@ -43,6 +43,10 @@ def plot_perplexity(
     return _save(perplexity_figure(runs, mode, trained_length, title), path)
 
 
+#: lines with at most this many points get each measured value written beside its marker
+MAX_LABELLED_POINTS = 8
+
+
 def perplexity_figure(
     runs: Mapping[str, dict[str, Any]],
     mode: str | None = "windows",
@@ -72,8 +76,13 @@ def perplexity_figure(
             if points:
                 style, marker = _STYLES[measure]
                 name = label if len(measures) == 1 else f"{label}: {_measure_name(measure, [runs[label]])}"
-                axis.plot(*zip(*points, strict=True), linestyle=style, marker=marker, label=name,
-                          color=colours[index % len(colours)])
+                colour = colours[index % len(colours)]
+                axis.plot(*zip(*points, strict=True), linestyle=style, marker=marker, label=name, color=colour,
+                          linewidth=1.0, markersize=7)
+                if len(points) <= MAX_LABELLED_POINTS:  # the values where they were measured: lines only join them
+                    for length, value in points:
+                        axis.annotate(f"{value:.2f}" if value < 100 else f"{value:,.0f}", (length, value), textcoords="offset points", xytext=(5, 5),
+                                      fontsize=8, color=colour)
                 lengths.update(n for n, _ in points)
                 values.extend(v for _, v in points)
     if trained_length:
@@ -84,6 +93,7 @@ def perplexity_figure(
     _plain_length_axis(axis, sorted(lengths | ({trained_length} if trained_length else set())))
     _plain_value_axis(axis, min(values), max(values))
     axis.grid(True, which="major", alpha=0.3)
+    axis.margins(x=0.08)  # room for the values written beside the last markers
     entries = len(axis.get_lines())
     axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2 if entries > 3 else entries, frameon=False)
     return figure
