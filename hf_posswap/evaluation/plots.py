@@ -81,7 +81,8 @@ def perplexity_figure(
                           linewidth=1.0, markersize=7)
                 if len(points) <= MAX_LABELLED_POINTS:  # the values where they were measured: lines only join them
                     for length, value in points:
-                        axis.annotate(f"{value:.2f}" if value < 100 else f"{value:,.0f}", (length, value), textcoords="offset points", xytext=(5, 5),
+                        written = f"{value:.2f}" if value < 100 else f"{value:,.0f}"
+                        axis.annotate(written, (length, value), textcoords="offset points", xytext=(5, 5),
                                       fontsize=8, color=colour)
                 lengths.update(n for n, _ in points)
                 values.extend(v for _, v in points)
