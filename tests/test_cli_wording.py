@@ -102,3 +102,10 @@ def test_a_too_short_passkey_is_refused_before_the_model_loads(ws, capsys, monke
     monkeypatch.setattr(loading, "load_model", no_model)
     assert main(["eval", "--model", str(ws / "llama"), "--passkey-lengths", "5"]) == 1
     assert "Passkey length 5 is shorter than the needle and the question alone" in capsys.readouterr().err
+
+
+def test_inspect_default_length_fits_a_short_learned_table(ws, tmp_path, capsys) -> None:
+    assert main(["inspect", "--model", str(ws / "gpt2"), "--output", str(tmp_path / "pictures")]) == 0
+    assert "absolute_cosine.png" in capsys.readouterr().out  # the table holds 64 positions: 64 are drawn, not 256
+    assert main(["inspect", "--model", str(ws / "gpt2"), "--output", str(tmp_path / "p2"), "--length", "100"]) == 1
+    assert "exceeds the model's learned position table (transformer.wpe: 64 positions)" in capsys.readouterr().err

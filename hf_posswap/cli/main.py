@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import InvalidConfigError, PosSwapError, one_line
-from .parser import PARSERS, UsageError
+from .parser import INSPECT_LENGTH, PARSERS, UsageError
 from .wording import in_cli_words
 
 
@@ -217,11 +217,11 @@ def _inspect(argv: list[str]) -> int:
     args = PARSERS["inspect"]().parse_args(argv)
     from ..core.state import swap_state
     from ..core.swap import swap
-    from ..evaluation.checks import check_lengths_fit
+    from ..evaluation.checks import check_lengths_fit, learned_table_size
     from ..evaluation.plots import position_pictures
     from ..persistence.saving import check_output_dir
 
-    if args.length < 2:
+    if args.length is not None and args.length < 2:
         raise InvalidConfigError(f"--length {args.length}: draw at least 2 positions.")
     if args.scheme:
         _check_scheme(args.scheme, {})
@@ -231,9 +231,13 @@ def _inspect(argv: list[str]) -> int:
     model, _, _ = _load(args.model)
     if args.scheme:
         swap(model, args.scheme, replace=swap_state(model) is not None)
-    check_lengths_fit(model, args.length)
+    length = args.length
+    if length is None:  # the default, shortened to a learned table that holds fewer positions
+        table = learned_table_size(model)
+        length = min(INSPECT_LENGTH, table[1]) if table is not None else INSPECT_LENGTH
+    check_lengths_fit(model, length)
     Path(args.output).mkdir(exist_ok=True)
-    paths = position_pictures(model, args.output, args.length)
+    paths = position_pictures(model, args.output, length)
     for path in paths:
         print(f"wrote {path}")
     if not paths:  # NoPE: nothing carries position, so there is no picture to draw

@@ -12,8 +12,10 @@ from collections.abc import Callable
 
 from ..errors import PosSwapError
 
+#: positions `inspect` draws unless --length says otherwise
+INSPECT_LENGTH = 256
 #: the built-in scheme names (``hf_posswap.available_schemes()``; tests/test_cli_fast.py checks they agree)
-SCHEMES = ("learned", "sinusoidal", "none", "rope", "alibi", "t5")
+SCHEMES = ("learned", "sinusoidal", "none", "rope", "alibi", "t5", "kerple", "sandwich", "fire")
 #: the built-in context-extension methods (``hf_posswap.available_extension_methods()``)
 EXTENSION_METHODS = ("linear", "ntk", "dynamic", "yarn", "longrope", "llama3", "self_extend", "interpolate", "copy",
                      "lift")
@@ -55,7 +57,8 @@ def _overwrite(parser: argparse.ArgumentParser) -> None:
 
 
 def schemes_parser() -> OneLineParser:
-    return OneLineParser(prog="hf-posswap schemes", description="Print the family x scheme support matrix.")
+    return OneLineParser(prog="hf-posswap schemes", description="Print the family x scheme support matrix and "
+                         "every scheme's options (--option KEY=VALUE of swap and extend).")
 
 
 def export_parser() -> OneLineParser:
@@ -130,7 +133,8 @@ def inspect_parser() -> OneLineParser:
     parser.add_argument("--model", required=True, help="checkpoint directory (or LoRA adapter directory)")
     parser.add_argument("--scheme", help=f"swap to this scheme first: {', '.join(SCHEMES)} (default: what the "
                                          "checkpoint carries)")
-    parser.add_argument("--length", type=int, default=256, help="positions to draw")
+    parser.add_argument("--length", type=int, default=None,
+                        help=f"positions to draw (default: {INSPECT_LENGTH}, or a learned table's length when shorter)")
     parser.add_argument("--output", default="inspect", help="directory for the PNG files")
     return parser
 
