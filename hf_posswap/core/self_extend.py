@@ -7,18 +7,27 @@ Keys closer than W to the query take the neighbour logit, the others the grouped
 length exceeds the original one; shorter inputs take the ordinary path and are unchanged. In causal models only
 queries past the original length use grouped distances (see :func:`self_extend_attention`), which keeps cached
 decoding equal to a full recompute.
+
+Memory: the queries are processed in chunks, so no ``[B, H, q, kv]`` tensor exists unless attention weights are
+returned (the eager carrier, or ``output_attentions=True``): a chunk holds at most :data:`CHUNK_ELEMENTS` logits
+(64 MiB in fp32) plus a few tensors of the same size. Within a chunk, keys that every query of the chunk groups
+get only the grouped logit, keys past the last query of a causal chunk (unmasked case) are skipped, and chunks
+whose queries are all before the original length get only the neighbour logit.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from transformers.integrations.sdpa_attention import repeat_kv
 
 from ..schemes.rope import apply_rotary
 from .context import PositionContext
+
+#: logits (batch x heads x queries x keys) one query chunk holds at once: 2**24 values, 64 MiB in fp32
+CHUNK_ELEMENTS = 1 << 24
 
 
 def self_extend_attention(
@@ -31,7 +40,7 @@ def self_extend_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Grouped + neighbour attention for q [B, H, q, D], unrotated k, v [B, Hkv, kv, D]; returns (out, weights).
 
     Positions may be shared ([q], [kv]) or per row ([B, q], explicit ``position_ids``). In a causal model the
@@ -39,44 +48,197 @@ def self_extend_attention(
     model does (all its keys are within the trained distances), later queries use grouped distances past the
     window. A query's result then depends only on its own position, so a cached decode equals a full recompute.
     A bidirectional model groups every pair farther apart than the window once the row exceeds the original length.
+
+    Weights [B, H, q, kv] are returned where the caller can use them: ``output_attentions=True``, or any carrier
+    but sdpa (eager's contract is to return them); the sdpa carrier gets None, as sdpa itself returns, and never
+    holds more than one query chunk of logits.
     """
-    group, window, original = context.self_extend  # type: ignore[misc]
+    keep = _returns_weights(module, kwargs)
+    return chunked_self_extend(module, query, key, value, attention_mask, context, scaling, dropout, keep_weights=keep)
+
+
+def _returns_weights(module: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether the caller may read the weights: an explicit ``output_attentions``, else not on an sdpa carrier
+    (GPT-2 does not forward ``output_attentions``; a call without a config, e.g. a test, gets them)."""
+    requested = kwargs.get("output_attentions")
+    if requested is not None:
+        return bool(requested)
+    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    return not (isinstance(implementation, str) and implementation.endswith("sdpa"))
+
+
+def chunk_size(batch: int, heads: int, kv_len: int, budget: int | None = None) -> int:
+    """Queries per chunk so that one chunk's logits [batch, heads, chunk, kv_len] stay within ``budget`` values
+    (default :data:`CHUNK_ELEMENTS`)."""
+    return max(1, (budget or CHUNK_ELEMENTS) // max(batch * heads * kv_len, 1))
+
+
+@dataclass
+class _Call:
+    """What every query chunk of one attention call shares (keys rotated once, positions, settings)."""
+
+    module: nn.Module
+    query: torch.Tensor  # [B, H, q, D], unrotated
+    near_keys: torch.Tensor  # [B, Hkv, kv, D], rotated by exact positions
+    far_keys: torch.Tensor  # [B, Hkv, kv, D], rotated by grouped positions
+    value: torch.Tensor  # [B, Hkv, kv, Dv]
+    attention_mask: torch.Tensor | None
+    rotary: nn.Module
+    query_pos: torch.Tensor  # [q] or [B, q]
+    query_rows: torch.Tensor  # [1 or B, q]
+    key_rows: torch.Tensor  # [1 or B, kv]
+    settings: tuple[int, int, int]  # group, window, original
+    scaling: float
+    dropout: float
+    causal: bool
+
+    def logits(self, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """query [B, H, c, D] · keys [B, Hkv, n, D] -> [B, H, c, n], grouped-query heads without repeating keys."""
+        batch, heads, rows, dim = query.shape
+        kv_heads = keys.shape[1]
+        stacked = query.reshape(batch, kv_heads, (heads // kv_heads) * rows, dim)
+        return torch.matmul(stacked, keys.transpose(2, 3)).mul_(self.scaling).view(batch, heads, rows, -1)
+
+
+def chunked_self_extend(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    context: PositionContext,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    chunk: int | None = None,
+    keep_weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Self-Extend attention over query chunks of ``chunk`` rows (default: :func:`chunk_size`); output
+    [B, q, H, Dv] and, with ``keep_weights``, the weights [B, H, q, kv] (zeros where a causal chunk skipped keys)."""
+    call = _prepare(module, query, key, value, attention_mask, context, scaling, dropout)
+    batch, heads, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    rows_per_chunk = chunk or chunk_size(batch, heads, kv_len)
+    output = query.new_empty(batch, q_len, heads, value.shape[-1])
+    weights = query.new_zeros(batch, heads, q_len, kv_len) if keep_weights else None
+    for start in range(0, q_len, rows_per_chunk):
+        rows = slice(start, min(start + rows_per_chunk, q_len))
+        chunk_output, chunk_weights = _attend(call, rows)
+        output[:, rows] = chunk_output.transpose(1, 2)
+        if weights is not None:
+            weights[:, :, rows, : chunk_weights.shape[-1]] = chunk_weights
+    return output, weights
+
+
+def _prepare(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    context: PositionContext,
+    scaling: float | None,
+    dropout: float,
+) -> _Call:
+    """Positions, keys rotated by exact and by grouped positions (once per call), and the call's settings."""
+    group, _window, _original = context.self_extend  # type: ignore[misc]
     rotary = context.positions
     query_pos, key_pos = _positions(context, query.shape[2], key.shape[2], query.device)
-    query_rows = query_pos if query_pos.dim() == 2 else query_pos[None]  # [1 or B, q]
-    key_rows = key_pos if key_pos.dim() == 2 else key_pos[None]  # [1 or B, kv]
-    groups = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # [B, Hkv, kv, D] -> [B, H, kv, D]
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
+    return _Call(
+        module=module,
+        query=query,
+        near_keys=apply_rotary(key, *rotary(key_pos)),  # type: ignore[misc]
+        far_keys=apply_rotary(key, *rotary(key_pos // group)),  # type: ignore[misc]
+        value=value,
+        attention_mask=attention_mask,
+        rotary=rotary,  # type: ignore[arg-type]
+        query_pos=query_pos,
+        query_rows=query_pos if query_pos.dim() == 2 else query_pos[None],
+        key_rows=key_pos if key_pos.dim() == 2 else key_pos[None],
+        settings=context.self_extend,  # type: ignore[arg-type]
+        scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
+        dropout=dropout,
+        causal=bool(getattr(module, "is_causal", True)),
+    )
 
-    def logits(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        q = apply_rotary(query, *rotary(q_pos))  # type: ignore[misc]
-        k = apply_rotary(key, *rotary(k_pos))  # type: ignore[misc]
-        return torch.matmul(q, k.transpose(2, 3)) * scaling  # [B, H, q, kv]
 
-    neighbour = logits(query_pos, key_pos)
-    grouped = logits(query_pos // group + (window - window // group), key_pos // group)
-    distance = (query_rows[:, :, None] - key_rows[:, None, :])[:, None]  # [1 or B, 1, q, kv]
-    causal = bool(getattr(module, "is_causal", True))
-    if causal:
-        use_grouped = (distance >= window) & (query_rows >= original)[:, None, :, None]
-    else:  # a row no longer than the original (a short row padded in a batch with a long one) is not grouped
-        longer = (key_rows.amax(-1) >= original)[:, None, None, None]  # [1 or B, 1, 1, 1]
-        use_grouped = (distance.abs() >= window) & longer
-    scores = torch.where(use_grouped, grouped, neighbour)
-    lowest = torch.finfo(scores.dtype).min
-    if attention_mask is None:
-        if causal:
-            scores = scores.masked_fill(distance < 0, lowest)
-    elif attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask[..., : scores.shape[-1]], lowest)
-    else:
-        scores = (scores + attention_mask[..., : scores.shape[-1]]).clamp(min=lowest)
-    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-    output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # [B, H, q, D] -> [B, q, H, D]
+def _attend(call: _Call, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query chunk: output [B, H, c, Dv] and weights [B, H, c, end] over the first ``end`` keys."""
+    distance = (call.query_rows[:, rows, None] - call.key_rows[:, None, :])[:, None]  # [1 or B, 1, c, kv]
+    end = _visible_end(call, distance)
+    distance = distance[..., :end]
+    use_grouped = _grouped_pairs(call, distance, call.query_rows[:, rows])
+    scores = _scores(call, rows, use_grouped)
+    scores = _masked(call, scores, distance, rows)
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(call.query.dtype)
+    del scores
+    weights = nn.functional.dropout(weights, p=call.dropout, training=call.module.training)
+    batch, heads, count, _ = weights.shape
+    kv_heads = call.value.shape[1]
+    stacked = weights.reshape(batch, kv_heads, (heads // kv_heads) * count, end)
+    output = torch.matmul(stacked, call.value[:, :, :end]).view(batch, heads, count, -1)
     return output, weights
+
+
+def _visible_end(call: _Call, distance: torch.Tensor) -> int:
+    """Keys needed by the chunk: in a causal call without a mask, keys after every query of the chunk get weight
+    exactly 0, so they are skipped (only when each query sees at least one key, so no row's softmax changes)."""
+    kv_len = distance.shape[-1]
+    if not call.causal or call.attention_mask is not None:
+        return kv_len
+    visible = distance >= 0
+    if not bool(visible.any(-1).all()):
+        return kv_len
+    seen = visible.flatten(0, 2).any(0)  # [kv]
+    return int(seen.nonzero().max()) + 1
+
+
+def _grouped_pairs(call: _Call, distance: torch.Tensor, query_rows: torch.Tensor) -> torch.Tensor:
+    """Which (query, key) pairs take the grouped logit: [1 or B, 1, c, n] bool."""
+    _group, window, original = call.settings
+    if call.causal:
+        return (distance >= window) & (query_rows >= original)[:, None, :, None]
+    # a row no longer than the original (a short row padded in a batch with a long one) is not grouped
+    longer = (call.key_rows.amax(-1) >= original)[:, None, None, None]  # [1 or B, 1, 1, 1]
+    return (distance.abs() >= window) & longer
+
+
+def _scores(call: _Call, rows: slice, use_grouped: torch.Tensor) -> torch.Tensor:
+    """Logits [B, H, c, n]: grouped where ``use_grouped``, else neighbour. Leading keys that every query of the
+    chunk groups get only the grouped logit; a chunk that groups nothing gets only the neighbour one."""
+    group, window, _original = call.settings
+    end = use_grouped.shape[-1]
+    query = call.query[:, :, rows]
+    query_pos = call.query_pos[..., rows]
+    near_query = apply_rotary(query, *call.rotary(query_pos))
+    if not bool(use_grouped.any()):
+        return call.logits(near_query, call.near_keys[:, :, :end])
+    far_query = apply_rotary(query, *call.rotary(query_pos // group + (window - window // group)))
+    all_grouped = use_grouped.flatten(0, 2).all(0)  # [n]: keys every query of the chunk groups
+    split = end if bool(all_grouped.all()) else int(all_grouped.logical_not().int().argmax())
+    if split == end:
+        return call.logits(far_query, call.far_keys[:, :, :end])
+    near = call.logits(near_query, call.near_keys[:, :, split:end])
+    far = call.logits(far_query, call.far_keys[:, :, split:end])
+    mixed = torch.where(use_grouped[..., split:], far, near)
+    if split == 0:
+        return mixed
+    del near, far
+    return torch.cat((call.logits(far_query, call.far_keys[:, :, :split]), mixed), dim=-1)
+
+
+def _masked(call: _Call, scores: torch.Tensor, distance: torch.Tensor, rows: slice) -> torch.Tensor:
+    """The attention mask (bool or additive float) of the chunk's rows, or causality from the positions."""
+    lowest = torch.finfo(scores.dtype).min
+    mask = call.attention_mask
+    if mask is None:
+        return scores.masked_fill_(distance < 0, lowest) if call.causal else scores
+    mask = mask[..., : scores.shape[-1]]
+    if mask.shape[-2] != 1:
+        mask = mask[..., rows, :]
+    if mask.dtype == torch.bool:
+        return scores.masked_fill_(~mask, lowest)
+    scores = scores.add_(mask) if mask.dtype == scores.dtype else scores + mask  # the reference's type promotion
+    return scores.clamp_(min=lowest)
 
 
 def _positions(context: PositionContext, q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
