@@ -3,6 +3,7 @@ Text-to-Text Transformer", §2.1): a learned scalar per (head, bucket of relativ
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +12,16 @@ import torch
 from torch import nn
 
 from ..errors import InvalidConfigError
-from .base import BiasPositions, ModelSpec, SchemeConfig, register_scheme, require_bool, require_int_at_least
+from .base import (
+    BiasPositions,
+    FusedCall,
+    ModelSpec,
+    SchemeConfig,
+    register_scheme,
+    require_bool,
+    require_int_at_least,
+)
+from .fused_t5 import Plan, fused_t5_attention, plan_attention, saturation_distance
 
 
 def relative_position_bucket(
@@ -97,8 +107,87 @@ class T5RelativeBias(BiasPositions):
         bias = _GatherBuckets.apply(weight, buckets)  # [H, ..., q, kv]
         return bias.movedim(0, -3) if bias.dim() == 4 else bias.unsqueeze(0)  # -> [B or 1, H, q, kv]
 
+    def fused_attention(self, call: FusedCall) -> torch.Tensor | None:
+        """Exact attention with this bias split into far parts (one constant per head past the saturation distance)
+        and a near band (see :mod:`hf_posswap.schemes.fused_t5`): output [B, q, H, D], or None (dense path).
+
+        Runs on CPU in float32 and float64, for causal models with or without a cache (prefill, decoding, chunks)
+        and for encoders without a cache, with grouped kv heads unexpanded and shared or per-layer tables. Declines
+        (returns None): padding masks (anything but the plain causal pattern), explicit per-row positions, dropout
+        in training, other dtypes and devices.
+        """
+        plan = self._fused_plan(call)
+        if plan is None:
+            return None
+        table = self.tables[0] if len(self.tables) == 1 else self.tables[call.layer_idx]
+        weight = table.weight.to(torch.float32).t().to(call.query.dtype)  # [H, num_buckets], as the dense path
+        return fused_t5_attention(call.query, call.key, call.value, weight, plan).transpose(1, 2).contiguous()
+
+    def _fused_plan(self, call: FusedCall) -> Plan | None:
+        """How ``call`` splits into far parts and a band, or None when the fused form does not apply."""
+        query, key = call.query, call.key
+        dtypes = (torch.float32, torch.float64)
+        if query.device.type != "cpu" or query.dtype not in dtypes or key.dtype != query.dtype or call.dropout > 0:
+            return None
+        if not _consecutive_positions(call) or not _plain_mask(call):
+            return None
+        q_len, kv_len = query.shape[2], key.shape[2]
+        # key j sits at query 0's position + delta + j
+        delta = int(call.key_pos.flatten()[0]) - int(call.query_pos.flatten()[0])
+        if not call.causal and (q_len != kv_len or delta != 0):
+            return None
+        memo_key = ("t5-fused-plan", call.causal, q_len, kv_len, delta, call.scaling)
+        plan = call.memo.get(memo_key)
+        if plan is None:
+            bucket_of = functools.partial(
+                relative_position_bucket,
+                bidirectional=not call.causal,
+                num_buckets=self.num_buckets,
+                max_distance=self.max_distance,
+            )
+            before = saturation_distance(bucket_of, self.max_distance, -1)
+            after = 1 if call.causal else saturation_distance(bucket_of, self.max_distance, 1)
+            far = (int(bucket_of(torch.tensor(-before))), None if call.causal else int(bucket_of(torch.tensor(after))))
+            plan = plan_attention(q_len, kv_len, delta, (1 - before, after - 1), far, bucket_of, call.scaling)
+            call.memo[memo_key] = plan
+        return plan
+
     def extra_repr(self) -> str:
         return f"num_buckets={self.num_buckets}, max_distance={self.max_distance}, tables={len(self.tables)}"
+
+
+def _consecutive_positions(call: FusedCall) -> bool:
+    """Whether positions are consecutive: index positions [q], [kv] always are; explicit per-row positions [B, q]
+    (encoders always pass them) qualify when every row is the same run of consecutive integers."""
+    if call.query_pos.dim() == 1:
+        return True
+    memo_key = ("t5-fused-rows", id(call.query_pos), id(call.key_pos))
+    plain = call.memo.get(memo_key)
+    if plain is None:
+        rows = call.query_pos
+        steps = rows[:, 1:] - rows[:, :-1]
+        plain = call.key_pos is rows and bool((rows == rows[:1]).all()) and bool((steps == 1).all())
+        call.memo[memo_key] = plain
+    return plain
+
+
+def _plain_mask(call: FusedCall) -> bool:
+    """Whether the call's mask hides nothing beyond causality (None, or a bool mask equal to the causal pattern
+    of the call's positions: static caches and chunked prefill send one); encoders: no mask at all."""
+    mask = call.attention_mask
+    if mask is None:
+        return True
+    if not call.causal or mask.dtype != torch.bool:
+        return False
+    memo_key = ("t5-fused-mask", id(mask), call.query.shape[2], call.key.shape[2])
+    plain = call.memo.get(memo_key)
+    if plain is None:
+        query_pos = call.query_pos.flatten()[: call.query.shape[2]]  # rows are equal (checked before)
+        key_pos = call.key_pos.flatten()[: call.key.shape[2]]
+        allowed = key_pos[None, :] <= query_pos[:, None]  # [q, kv]
+        plain = bool((mask[..., : call.key.shape[2]] == allowed).all())
+        call.memo[memo_key] = plain
+    return plain
 
 
 @register_scheme

@@ -1,0 +1,300 @@
+"""T5-bias attention without the dense ``[B, H, q, kv]`` bias, exact (issue 10).
+
+T5's bucketing sends every distance at or past the *saturation distance* S to one last bucket, so past S the bias
+is one constant per head (and per direction when bidirectional). Attention then splits exactly into
+
+- far parts: keys at distance >= S. A constant per head does not change their softmax, only their log-sum-exp, so
+  sdpa's fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp) computes
+  them with grouped kv heads unexpanded. Keys after the query (bidirectional) run the same causal kernel on
+  reversed sequences.
+- a near band: keys within S of the query, computed per block of ``Bq`` queries against a window of
+  ``Bq + span - 1`` keys with one small ``[H, Bq, W]`` bias shared by every block.
+
+The parts are merged by log-sum-exp. The backward runs the fused kernel's backward for each far part with the
+merged output and log-sum-exp (as ring attention does), differentiates the band by hand, and sums the table
+gradient per bucket over the band plus the far constants. Everything here is CPU, float32 or float64; the caller
+(:meth:`hf_posswap.schemes.t5.T5RelativeBias.fused_attention`) declines other calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: queries per band block (the band costs ``(Bq + span - 1) / span`` of its useful work; smaller blocks cost calls)
+BAND_BLOCK = 64
+#: logit of a masked band entry: finite, so a fully masked (padding) row stays finite; exp() of it is exactly 0
+MASKED = -1e30
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+BucketFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def saturation_distance(bucket_of: BucketFn, max_distance: int, sign: int) -> int:
+    """The first distance d >= 0 whose relative position ``sign * d`` falls in the bucket every farther distance
+    shares (``sign`` -1: keys before the query, +1: after). T5's buckets never decrease with distance."""
+    distances = torch.arange(max_distance + 2)
+    buckets = bucket_of(sign * distances)
+    return int((buckets == buckets[-1]).nonzero()[0])
+
+
+@dataclass(frozen=True)
+class FarPart:
+    """Queries ``rows`` against keys ``keys`` (half-open index ranges) with one bias constant per head (table
+    column ``bucket``). ``causal``: query ``r0 + x`` sees key ``k0 + y`` iff ``y <= x`` (sdpa's top-left causal);
+    ``flipped``: both ranges run backwards (query ``r1 - 1 - x`` sees key ``k1 - 1 - y`` iff ``y <= x``)."""
+
+    rows: tuple[int, int]
+    keys: tuple[int, int]
+    causal: bool
+    bucket: int
+    flipped: bool = False
+
+
+@dataclass(frozen=True)
+class Band:
+    """The near band: ``blocks`` blocks of ``block`` queries; block m's window holds keys ``first + m * block``
+    to ``first + m * block + width - 1``. ``bucket_ids``/``inside`` [block, width]: each window entry's bucket and
+    whether it is near (not masked). ``edges``: (block, columns outside ``[0, kv)``) for blocks that touch them."""
+
+    block: int
+    blocks: int
+    width: int
+    first: int
+    bucket_ids: torch.Tensor
+    inside: torch.Tensor
+    edges: tuple[tuple[int, torch.Tensor], ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call splits: the band, the far parts, the kv length and the softmax scale."""
+
+    band: Band
+    parts: tuple[FarPart, ...]
+    kv_len: int
+    scale: float
+
+
+def plan_attention(
+    q_len: int,
+    kv_len: int,
+    delta: int,
+    near: tuple[int, int],
+    far_buckets: tuple[int, int | None],
+    bucket_of: BucketFn,
+    scale: float,
+    block: int = BAND_BLOCK,
+) -> Plan:
+    """Split a call whose query i sits at position ``p + i`` and key j at ``p + delta + j``.
+
+    ``near`` = (lo, hi): relative positions (key - query) in [lo, hi] are the band (causal: hi = 0); farther ones
+    before the query take bucket ``far_buckets[0]``, after it ``far_buckets[1]`` (None: causal, none after).
+    """
+    lo, hi = near
+    block = max(1, min(block, q_len))
+    blocks = -(-q_len // block)
+    width = block + hi - lo
+    first = lo - delta  # key index of window column 0 in block 0 (relative = j - i + delta)
+    cols = torch.arange(width)
+    rel = cols[None, :] - torch.arange(block)[:, None] + lo  # [block, width] relative position of each entry
+    inside = (rel >= lo) & (rel <= hi)
+    edges = []
+    for m in range(blocks):
+        keys = first + m * block + cols
+        outside = (keys < 0) | (keys >= kv_len)
+        if bool(outside.any()):
+            edges.append((m, outside))
+    band = Band(block, blocks, width, first, bucket_of(rel), inside, tuple(edges))
+    parts = _far_before(q_len, kv_len, lo - 1 - delta, far_buckets[0])
+    if far_buckets[1] is not None and q_len - hi - 1 > 0:  # bidirectional (delta == 0, q_len == kv_len)
+        rows = q_len - hi - 1
+        parts.append(FarPart((0, rows), (hi + 1, kv_len), True, far_buckets[1], flipped=True))
+    return Plan(band, tuple(parts), kv_len, scale)
+
+
+def _far_before(q_len: int, kv_len: int, shift: int, bucket: int) -> list[FarPart]:
+    """Parts for keys j <= i + shift (at or past the saturation distance before the query)."""
+    first_row = max(0, -shift)
+    if first_row >= q_len:
+        return []
+    seen = first_row + shift  # keys [0, seen] are far for the first row
+    n_keys = min(kv_len, q_len + shift)
+    rows = (first_row, q_len)
+    if q_len - first_row == 1:
+        return [FarPart(rows, (0, n_keys), False, bucket)]
+    if seen == 0:
+        return [FarPart(rows, (0, n_keys), True, bucket)]
+    return [FarPart(rows, (0, seen), False, bucket), FarPart(rows, (seen, n_keys), True, bucket)]
+
+
+# -- layouts: [B, H, q, D] <-> blocks [B, Hkv, n, G*Bq, D]; keys [B, Hkv, kv, D] -> windows [B, Hkv, n, W, D] --
+
+
+def _to_blocks(x: torch.Tensor, band: Band, kv_heads: int) -> torch.Tensor:
+    batch, heads, length, dim = x.shape
+    padded = band.blocks * band.block
+    if padded != length:
+        x = torch.nn.functional.pad(x, (0, 0, 0, padded - length))
+    x = x.view(batch, kv_heads, heads // kv_heads, band.blocks, band.block, dim).transpose(2, 3)
+    return x.reshape(batch, kv_heads, band.blocks, -1, dim)
+
+
+def _from_blocks(x: torch.Tensor, band: Band, heads: int, length: int) -> torch.Tensor:
+    batch, kv_heads, blocks, _, dim = x.shape
+    x = x.view(batch, kv_heads, blocks, heads // kv_heads, band.block, dim).transpose(2, 3)
+    return x.reshape(batch, heads, blocks * band.block, dim)[:, :, :length]
+
+
+def _windows(x: torch.Tensor, band: Band) -> torch.Tensor:
+    """Keys [B, Hkv, kv, D] -> overlapping windows [B, Hkv, n, W, D] (zeros outside the keys)."""
+    span = (band.blocks - 1) * band.block + band.width
+    left = max(0, -band.first)
+    start = max(0, band.first)
+    taken = x[:, :, start : start + span - left]
+    padded = torch.nn.functional.pad(taken, (0, 0, left, span - left - taken.shape[2]))
+    return padded.unfold(2, band.width, band.block).transpose(-1, -2)
+
+
+def _fold(windows: torch.Tensor, band: Band, kv_len: int) -> torch.Tensor:
+    """Adjoint of :func:`_windows`: sum window gradients [B, Hkv, n, W, D] back onto the keys [B, Hkv, kv, D]."""
+    batch, kv_heads, blocks, width, dim = windows.shape
+    chunks = -(-width // band.block)
+    windows = torch.nn.functional.pad(windows, (0, 0, 0, chunks * band.block - width))
+    acc = windows.new_zeros(batch, kv_heads, blocks + chunks - 1, band.block, dim)
+    for c in range(chunks):
+        acc[:, :, c : c + blocks] += windows[:, :, :, c * band.block : (c + 1) * band.block]
+    acc = acc.view(batch, kv_heads, -1, dim)
+    out = windows.new_zeros(batch, kv_heads, kv_len, dim)
+    lo, hi = max(0, band.first), min(kv_len, band.first + acc.shape[2])
+    if hi > lo:
+        out[:, :, lo:hi] = acc[:, :, lo - band.first : hi - band.first]
+    return out
+
+
+# -- the parts ----------------------------------------------------------------------------------------------------
+
+
+def _band_logits(qb: torch.Tensor, kw: torch.Tensor, bias: torch.Tensor, band: Band, scale: float) -> torch.Tensor:
+    """Scaled band logits [B, Hkv, n, G*Bq, W] with the bias [H, Bq, W] added and keys outside [0, kv) masked."""
+    scores = torch.matmul(qb * scale, kw.transpose(-1, -2))
+    batch, kv_heads, blocks, rows, width = scores.shape
+    heads = bias.shape[0]
+    scores.view(batch, kv_heads, blocks, heads // kv_heads, band.block, width).add_(
+        bias.view(kv_heads, 1, heads // kv_heads, band.block, width)
+    )
+    for m, outside in band.edges:
+        scores[:, :, m].masked_fill_(outside, MASKED)
+    return scores
+
+
+def _slice(x: torch.Tensor, span: tuple[int, int], flipped: bool) -> torch.Tensor:
+    part = x[:, :, span[0] : span[1]]
+    return part.flip(2) if flipped else part
+
+
+def _far_forward(part: FarPart, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple:
+    """(output [B, H, rows, D], log-sum-exp [B, H, rows]) of one far part, without its constant."""
+    out, lse = _flash(
+        _slice(q, part.rows, part.flipped),
+        _slice(k, part.keys, part.flipped),
+        _slice(v, part.keys, part.flipped),
+        0.0,
+        part.causal,
+        scale=scale,
+    )
+    if part.flipped:
+        out, lse = out.flip(2), lse.flip(-1)
+    return out, lse.to(q.dtype)
+
+
+class FusedT5Attention(torch.autograd.Function):
+    """(q [B, H, q, D], k/v [B, Hkv, kv, D], weight [H, buckets], plan) -> output [B, H, q, D]."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, plan: Plan):
+        band, heads, kv_heads, length = plan.band, q.shape[1], k.shape[1], q.shape[2]
+        bias = weight[:, band.bucket_ids].masked_fill(~band.inside, MASKED)  # [H, Bq, W]
+        scores = _band_logits(_to_blocks(q, band, kv_heads), _windows(k, band), bias, band, plan.scale)
+        # torch.softmax is one fused pass (exp of masked entries by hand takes a slow underflow path on CPU);
+        # the largest probability is exp(top - lse), which gives the log-sum-exp to an ulp
+        top = scores.amax(-1, keepdim=True)
+        probs = torch.softmax(scores, -1)
+        near_lse = _from_blocks(top - probs.amax(-1, keepdim=True).log(), band, heads, length)[..., 0]  # [B, H, q]
+        near_out = _from_blocks(torch.matmul(probs, _windows(v, band)), band, heads, length)
+        lse = near_lse.clone()
+        far = []
+        for part in plan.parts:
+            out_p, lse_p = _far_forward(part, q, k, v, plan.scale)
+            lse_p = lse_p + weight[:, part.bucket, None]
+            rows = slice(*part.rows)
+            lse[:, :, rows] = torch.logaddexp(lse[:, :, rows], lse_p)
+            far.append((out_p, lse_p))
+        out = near_out * (near_lse - lse).exp()[..., None]
+        for part, (out_p, lse_p) in zip(plan.parts, far, strict=True):
+            rows = slice(*part.rows)
+            out[:, :, rows] += out_p * (lse_p - lse[:, :, rows]).exp()[..., None]
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, weight, out, lse, near_lse, probs, *[t for pair in far for t in pair])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        q, k, v, weight, out, lse, near_lse, probs, *far = ctx.saved_tensors
+        plan: Plan = ctx.plan
+        band, heads, kv_heads, length = plan.band, q.shape[1], k.shape[1], q.shape[2]
+        grad = grad.contiguous()
+        delta = (grad * out).sum(-1)  # [B, H, q]
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dweight = torch.zeros_like(weight)
+        for i, part in enumerate(plan.parts):
+            out_p, lse_p = far[2 * i], far[2 * i + 1]
+            rows, keys = slice(*part.rows), slice(*part.keys)
+            row_lse = lse[:, :, rows] - weight[:, part.bucket, None]  # the merged softmax, seen from this part
+            dq_p, dk_p, dv_p = _flash_backward(
+                _slice(grad, part.rows, part.flipped),
+                _slice(q, part.rows, part.flipped),
+                _slice(k, part.keys, part.flipped),
+                _slice(v, part.keys, part.flipped),
+                _slice(out, part.rows, part.flipped),
+                row_lse.flip(-1) if part.flipped else row_lse,
+                0.0,
+                part.causal,
+                scale=plan.scale,
+            )
+            if part.flipped:
+                dq_p, dk_p, dv_p = dq_p.flip(2), dk_p.flip(2), dv_p.flip(2)
+            dq[:, :, rows] += dq_p
+            dk[:, :, keys] += dk_p
+            dv[:, :, keys] += dv_p
+            # d lse_p / d constant = 1: sum over the part's probabilities of (dP - delta)
+            share = (lse_p - lse[:, :, rows]).exp()
+            dweight[:, part.bucket] += (share * ((grad[:, :, rows] * out_p).sum(-1) - delta[:, :, rows])).sum((0, 2))
+        weight_share = _to_blocks((near_lse - lse).exp()[..., None], band, kv_heads)  # [B, Hkv, n, G*Bq, 1]
+        probs = probs * weight_share  # band probabilities under the merged softmax
+        grad_b = _to_blocks(grad, band, kv_heads)
+        kw, vw = _windows(k, band), _windows(v, band)
+        dscores = torch.matmul(grad_b, vw.transpose(-1, -2))
+        dscores = dscores.sub_(_to_blocks(delta[..., None], band, kv_heads)).mul_(probs)
+        qb = _to_blocks(q, band, kv_heads)
+        dq += _from_blocks(torch.matmul(dscores, kw), band, heads, length) * plan.scale
+        dk += _fold(torch.matmul(dscores.transpose(-1, -2), qb), band, plan.kv_len) * plan.scale
+        dv += _fold(torch.matmul(probs.transpose(-1, -2), grad_b), band, plan.kv_len)
+        if ctx.needs_input_grad[3]:
+            batch, _, blocks, _, width = dscores.shape
+            per_entry = dscores.view(batch, kv_heads, blocks, heads // kv_heads, band.block, width).sum((0, 2))
+            dweight.index_add_(1, band.bucket_ids.flatten(), per_entry.reshape(heads, -1))
+        return dq, dk, dv, dweight, None
+
+
+def fused_t5_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, plan: Plan
+) -> torch.Tensor:
+    """Attention output [B, H, q, D] for T5 bias ``weight`` [H, buckets] split as ``plan`` says."""
+    return FusedT5Attention.apply(q, k, v, weight, plan)
+
