@@ -84,6 +84,10 @@ def swapped(family: str, scheme: str, attn: str = "sdpa", seed: int = 0) -> torc
         with torch.no_grad():
             table = model.base_model.posswap_positions.tables[0].weight
             table.copy_(torch.randn_like(table))
+    if scheme == "fire":  # likewise FIRE's zero-initialised output layer (and then every parameter gets a gradient)
+        with torch.no_grad():
+            for param in model.base_model.posswap_positions.functions[0].mlp[2].parameters():
+                param.copy_(torch.randn_like(param))
     return model
 
 
@@ -136,7 +140,8 @@ def write_corpus(directory, documents: int = 40) -> list[str]:
 DIAGONAL = {"gpt2-learned", "gpt2-rope", "bert-alibi", "bert-sinusoidal", "llama-t5", "llama-none"}
 FAST_SUBSET = {
     "test_matrix.py::test_forward_backward": DIAGONAL,
-    "test_matrix.py::test_eager_matches_sdpa": {"gpt2-rope", "bert-alibi", "llama-t5"},
+    "test_matrix.py::test_eager_matches_sdpa": {"gpt2-rope", "bert-alibi", "llama-t5", "llama-kerple", "bert-sandwich",
+                                                "gpt2-fire"},
     "test_matrix.py::test_cached_generation_equals_recompute": {"sdpa-gpt2-rope", "eager-llama-t5"},
     "test_matrix.py::test_static_cache_equals_dynamic": {"llama-alibi"},
     "test_matrix.py::test_left_padded_generation_equals_rows_alone": {"llama-alibi"},

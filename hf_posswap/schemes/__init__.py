@@ -7,6 +7,9 @@ from .nope import NoPEConfig
 from .rope import RopeConfig, RotaryEmbedding, apply_rotary, rotate_half
 from .alibi import AlibiBias, AlibiConfig, alibi_slopes
 from .t5 import T5BiasConfig, T5RelativeBias, relative_position_bucket
+from .kerple import KerpleBias, KerpleConfig
+from .sandwich import SandwichBias, SandwichConfig
+from .fire import FireBias, FireConfig
 
 # isort: on
 
@@ -28,6 +31,10 @@ __all__ = [
     "AlibiBias",
     "AlibiConfig",
     "BiasPositions",
+    "FireBias",
+    "FireConfig",
+    "KerpleBias",
+    "KerpleConfig",
     "LearnedConfig",
     "LearnedPositions",
     "ModelSpec",
@@ -36,6 +43,8 @@ __all__ = [
     "RopeConfig",
     "RotaryEmbedding",
     "RotaryPositions",
+    "SandwichBias",
+    "SandwichConfig",
     "SchemeConfig",
     "SinusoidalConfig",
     "SinusoidalPositions",
