@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import BiasPositions, ModelSpec, SchemeConfig, register_scheme, require_bool
+from .base import BiasPositions, FusedCall, ModelSpec, SchemeConfig, register_scheme, require_bool
+from .fused_alibi import alibi_attention
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -45,11 +46,18 @@ class AlibiBias(BiasPositions):
         self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool, memo: dict | None = None
     ) -> torch.Tensor:
         # query_pos [q], key_pos [kv] -> [1, H, q, kv]  (or [B, q], [B, kv] -> [B, H, q, kv])
-        distance = (key_pos[..., None, :] - query_pos[..., :, None]).to(torch.float32)  # [..., q, kv], j - i
+        # float32 at least (half-precision slopes would round the distances), float64 for a float64 model
+        dtype = torch.float64 if self.slopes.dtype == torch.float64 else torch.float32
+        distance = (key_pos[..., None, :] - query_pos[..., :, None]).to(dtype)  # [..., q, kv], j - i
         if not causal:
             distance = -distance.abs()
-        bias = self.slopes.to(torch.float32)[:, None, None] * distance.unsqueeze(-3)  # -m (i - j): [..., H, q, kv]
+        bias = self.slopes.to(dtype)[:, None, None] * distance.unsqueeze(-3)  # -m (i - j): [..., H, q, kv]
         return bias if bias.dim() == 4 else bias.unsqueeze(0)
+
+    def fused_attention(self, call: FusedCall) -> torch.Tensor | None:
+        """Attention without the dense bias (``fused_alibi``): the separable form when causal, a strided Toeplitz
+        view of the bias when bidirectional; None (dense path) for half precision and layouts it does not handle."""
+        return alibi_attention(call, self.slopes)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.slopes.shape[0]}, trainable={isinstance(self.slopes, nn.Parameter)}"

@@ -1,0 +1,279 @@
+"""ALiBi attention without the dense ``[B, H, q, kv]`` bias (the sdpa carrier's fast path, issue 10).
+
+Causal ALiBi is separable. Along a query row i the bias ``-m_h (i - j)`` is ``m_h j`` plus a constant, and softmax
+ignores constants, so ``softmax_j(s q.k - m (i - j)) = softmax_j(s q.k + m (j - c))`` for any reference c. The term
+``m (j - c)`` is one more dot-product dimension: the query gets ``m_h / s``, the key gets ``j - c``, the value gets a
+zero (sdpa's fused kernels need one head dim for q, k and v). sdpa then runs its fused (flash) kernel with the
+head dim 64 -> 65, grouped key-value heads unexpanded (``enable_gqa``), and never builds a ``[q, kv]`` tensor; the
+slopes' gradient flows through the extra query column.
+
+Precision: the kernel adds ``m (j - c)`` to ``s q.k`` in the working dtype, so the logits of the keys that matter
+(near the query) carry a rounding error of about eps * m * |i - c|. The reference c is the middle of the query
+positions (decoding steps take their small exact bias instead). Only float32 and float64 take
+this path; float16/bfloat16 (eps 1e-3 / 8e-3) keep the dense path. The float32 error, measured and tested
+(``tests/test_fast_alibi.py``): see :data:`FP32_TOLERANCE`.
+
+Bidirectional ALiBi ``-m |i - j|`` is not separable, but it depends on j - i only: without a padding mask sdpa gets
+it as an overlapping strided view of one row per head (:func:`_toeplitz_attention`), so no ``[q, kv]`` tensor is
+built. With a padding mask, long inputs run blocks of queries with a dense bias block each (bounded memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from .base import FusedCall
+
+#: dtypes the separable causal form runs in (see the module docstring for why not half precision)
+FUSED_DTYPES = (torch.float32, torch.float64)
+#: bound on |fused - exact| (output, float32) with 8 heads of 64 (slopes 1/2 ... 1/256), 2 kv heads, unit-scale
+#: random q/k/v: measured 2.2e-5 at 2,048 tokens and 7.9e-5 at 8,192 on the first and last queries (the middle
+#: ones: 1.5e-6); the dense float32 path's own error there is 9e-7. It grows with the largest slope x the length.
+FP32_TOLERANCE = {2048: 5e-5, 8192: 2e-4}
+#: calls with at most this many queries (decoding steps) take the small dense bias: no copy of the cache
+SMALL_QUERY = 16
+#: bidirectional calls with a padding mask: the dense path (its bias shared by every layer) up to this many bias
+#: numbers (2**26 float32 = 256 MiB), blocks of queries with at most BIAS_BLOCK_ELEMENTS bias numbers above it
+DENSE_BIAS_ELEMENTS = 2**26
+BIAS_BLOCK_ELEMENTS = 2**24
+
+
+def alibi_attention(call: FusedCall, slopes: torch.Tensor) -> torch.Tensor | None:
+    """Attention output [B, q, H, D] of ``call`` with ALiBi ``slopes`` [H], or None to leave it to the dense path."""
+    heads, kv_heads = call.query.shape[1], call.key.shape[1]
+    if call.query.dtype not in FUSED_DTYPES or heads % kv_heads or slopes.shape[0] != heads:
+        return None
+    if call.causal:
+        return causal_alibi_attention(call, slopes)
+    return bidirectional_alibi_attention(call, slopes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Causal: the separable form.
+
+
+@dataclass
+class CausalPlan:
+    """How one causal call runs: the first ``visible`` keys (the rest are in no query's past), the mask or
+    ``is_causal`` that keeps each query to its past, and the reference position c ([] or [B, 1])."""
+
+    visible: int
+    mask: torch.Tensor | None
+    is_causal: bool
+    centre: torch.Tensor
+
+
+def causal_plan(call: FusedCall) -> CausalPlan | None:
+    """Which keys each query sees, as the dense path decides it (None: a layout this path does not handle).
+
+    With transformers' mask, the mask decides (as in the dense path). Without one, a key is visible when its
+    position is at or before the query's: for token-index positions that is a bottom-right aligned causal mask,
+    which is sdpa's top-left ``is_causal`` when the visible keys are as many as the queries, no mask for a single
+    query, and an explicit ``[q, kv]`` boolean mask otherwise (a chunk after a cache: small). Explicit per-row
+    positions [B, q] (PoSE) must increase along each row; then position order is index order.
+    """
+    q_len, kv_len = call.query.shape[2], call.key.shape[2]
+    query_pos, key_pos = call.query_pos, call.key_pos
+    if query_pos.dim() == 2:
+        centre = torch.div(query_pos[:, :1] + query_pos[:, -1:], 2, rounding_mode="floor")  # [B, 1]
+        if call.attention_mask is not None:
+            return CausalPlan(kv_len, call.attention_mask[..., :kv_len], False, centre)
+        if q_len != kv_len or not torch.equal(query_pos, key_pos) or not _increasing(query_pos):
+            return None
+        return CausalPlan(kv_len, None, q_len > 1, centre)
+    centre = torch.div(query_pos[0] + query_pos[-1], 2, rounding_mode="floor")
+    if call.attention_mask is not None:
+        return CausalPlan(kv_len, call.attention_mask[..., :kv_len], False, centre)
+    lag = int(query_pos[0] - key_pos[0])  # the first query sees keys 0 .. lag
+    visible = min(kv_len, q_len + lag)
+    if lag < 0 or visible < 1:
+        return None
+    if q_len == 1:
+        return CausalPlan(visible, None, False, centre)
+    if lag == 0:
+        return CausalPlan(visible, None, True, centre)
+    allowed = torch.ones(q_len, visible, dtype=torch.bool, device=call.query.device).tril(lag)
+    return CausalPlan(visible, allowed, False, centre)
+
+
+def _increasing(positions: torch.Tensor) -> bool:
+    return bool((positions[:, 1:] > positions[:, :-1]).all())
+
+
+def causal_alibi_attention(call: FusedCall, slopes: torch.Tensor) -> torch.Tensor | None:
+    """Causal ALiBi through one fused sdpa call on q, k, v widened by one column (module docstring); a few
+    queries after a cache (decoding) get their small ``[q, kv]`` bias instead, which spares copying the cache."""
+    plan = causal_plan(call)
+    if plan is None:
+        return None
+    if call.query.shape[2] <= SMALL_QUERY and call.query.shape[2] < plan.visible:
+        return _small_query_attention(call, slopes, plan)
+    query, key, value = call.query, call.key[:, :, : plan.visible], call.value[:, :, : plan.visible]
+    dtype, (batch, heads, q_len, head_dim) = query.dtype, query.shape
+    slope_column = (slopes.to(dtype) / call.scaling).view(1, heads, 1, 1).expand(batch, heads, q_len, 1)
+    offsets = (call.key_pos[..., : plan.visible] - plan.centre).to(dtype)  # [kv] or [B, kv]: j - c
+    key_column = offsets.view(-1, 1, plan.visible, 1).expand(batch, key.shape[1], plan.visible, 1)
+    output = sdpa_flushing_denormals(
+        torch.cat([query, slope_column], dim=-1),
+        torch.cat([key, key_column], dim=-1),
+        F.pad(value, (0, 1)),
+        attn_mask=plan.mask,
+        dropout_p=call.dropout,
+        is_causal=plan.is_causal,
+        scale=call.scaling,
+        enable_gqa=heads != key.shape[1],
+    )
+    return output[..., :head_dim].transpose(1, 2).contiguous()  # [B, H, q, D+1] -> [B, q, H, D]
+
+
+def _small_query_attention(call: FusedCall, slopes: torch.Tensor, plan: CausalPlan) -> torch.Tensor:
+    """A few queries: the exact bias ``-m (i - j)`` [1 or B, H, q, visible] as sdpa's float mask. Grouped heads
+    are folded into the query rows ([B, H, q] -> [B, Hkv, groups * q], a view), so the cache is never expanded."""
+    query, key, value = call.query, call.key[:, :, : plan.visible], call.value[:, :, : plan.visible]
+    (batch, heads, q_len, head_dim), kv_heads = query.shape, key.shape[1]
+    dtype, lowest = query.dtype, torch.finfo(query.dtype).min
+    distance = (call.key_pos[..., None, : plan.visible] - call.query_pos[..., :, None]).to(dtype)  # j - i
+    bias = slopes.to(dtype)[:, None, None] * (distance[:, None] if distance.dim() == 3 else distance[None, None])
+    mask = plan.mask  # never is_causal here: fewer queries than visible keys
+    if mask is not None:
+        bias = bias.masked_fill(~mask, lowest) if mask.dtype == torch.bool else (bias + mask).clamp(min=lowest)
+    folded = heads // kv_heads * q_len
+    output = sdpa_flushing_denormals(
+        query.reshape(batch, kv_heads, folded, head_dim),
+        key,
+        value,
+        attn_mask=bias.reshape(bias.shape[0], kv_heads, folded, plan.visible),
+        dropout_p=call.dropout,
+        scale=call.scaling,
+    )
+    return output.view(batch, heads, q_len, head_dim).transpose(1, 2).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Denormals: far keys' logits lie 87-103 below the row's maximum, where exp() gives float32 denormals, and CPU
+# arithmetic on denormals is ~100x slower (measured: the fused kernel 1.66x native at 8k, 4.5x in backward; 1.13x and
+# 1.19x with denormals flushed). Their weights are below 1e-38 of the largest, so flushing them to zero changes no
+# float32 result that matters. The flag is per thread; it is set around the kernel (and its backward) and restored.
+
+
+def _flushing_now() -> bool:
+    return bool(torch.tensor(1e-39, dtype=torch.float32).item() == 0.0)
+
+
+def _flush_on() -> bool:
+    """Turn flushing on; True when this call turned it on (so the caller turns it off again)."""
+    return not _flushing_now() and torch.set_flush_denormal(True)
+
+
+def sdpa_flushing_denormals(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``scaled_dot_product_attention`` with denormals flushed to zero in its forward and backward (CPU only)."""
+    if query.device.type != "cpu":
+        return F.scaled_dot_product_attention(query, key, value, **kwargs)
+    turned_on = _flush_on()
+    try:
+        output = F.scaled_dot_product_attention(query, key, value, **kwargs)
+    finally:
+        if turned_on:
+            torch.set_flush_denormal(False)
+    if output.requires_grad:
+        _flush_in_backward(output, [t for t in (query, key, value) if t.requires_grad])
+    return output
+
+
+def _flush_in_backward(output: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+    """Hooks: flushing on when the output's gradient reaches the attention backward, off when its inputs' come out
+    (both run on the thread that runs the backward, right before and right after the attention's backward node)."""
+    state = {"turned_on": False}
+
+    def before(grad: torch.Tensor) -> None:
+        state["turned_on"] = _flush_on()
+
+    def after(grad: torch.Tensor) -> None:
+        if state["turned_on"]:
+            state["turned_on"] = False
+            torch.set_flush_denormal(False)
+
+    output.register_hook(before)
+    for tensor in inputs:
+        tensor.register_hook(after)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bidirectional: the dense bias, one block of queries at a time.
+
+
+def bidirectional_alibi_attention(call: FusedCall, slopes: torch.Tensor) -> torch.Tensor | None:
+    """Encoder ALiBi ``-m |i - j|``: a Toeplitz view of the bias when there is no padding mask, else (when the
+    whole bias would be large) sdpa over blocks of queries with a dense bias block each; else None (dense path)."""
+    shift = _index_shift(call)
+    if call.attention_mask is None and shift is not None:
+        return _toeplitz_attention(call, slopes, shift)
+    batch, heads, q_len, _ = call.query.shape
+    if batch * heads * q_len * call.key.shape[2] <= DENSE_BIAS_ELEMENTS:
+        return None
+    return _blocked_attention(call, slopes)
+
+
+def _index_shift(call: FusedCall) -> int | None:
+    """s with key_pos[j] - query_pos[i] = j - i + s for every i, j (token-index positions), else None. Explicit
+    per-row positions qualify when they are the same consecutive run for queries and keys (an encoder's
+    ``position_ids``)."""
+    query_pos, key_pos = call.query_pos, call.key_pos
+    if query_pos.dim() == 1:
+        return int(key_pos[0] - query_pos[0])
+    if torch.equal(query_pos, key_pos) and bool((query_pos[:, 1:] - query_pos[:, :-1] == 1).all()):
+        return 0
+    return None
+
+
+def _toeplitz_attention(call: FusedCall, slopes: torch.Tensor, shift: int) -> torch.Tensor:
+    """The bias depends on j - i only, so with the queries in reverse order row i' of it is row i' - 1 moved one
+    key along: the whole ``[H, q, kv]`` bias is an overlapping view (strides 1, 1) of one ``[H, q + kv - 1]`` row per
+    head. sdpa reads the view as it is: no ``[q, kv]`` tensor exists."""
+    query, key, value = call.query, call.key, call.value
+    heads, q_len, kv_len = query.shape[1], query.shape[2], key.shape[2]
+    distance = torch.arange(q_len + kv_len - 1, device=query.device) - (q_len - 1) + shift  # base[i' + j] is f(j - i)
+    base = -(slopes.to(query.dtype)[:, None] * distance.abs().to(query.dtype)[None])  # [H, q + kv - 1]
+    bias = base.as_strided((1, heads, q_len, kv_len), (0, base.stride(0), 1, 1))
+    output = sdpa_flushing_denormals(
+        query.flip(2), key, value, attn_mask=bias, dropout_p=call.dropout, scale=call.scaling,
+        enable_gqa=heads != key.shape[1],
+    )
+    return output.flip(2).transpose(1, 2).contiguous()
+
+
+def _blocked_attention(call: FusedCall, slopes: torch.Tensor) -> torch.Tensor:
+    """Padded or per-row-position calls with a large bias: blocks of queries, each with its own dense bias."""
+    query, key, value = call.query, call.key, call.value
+    batch, heads, q_len, _ = query.shape
+    block = max(1, min(q_len, BIAS_BLOCK_ELEMENTS // (batch * heads * key.shape[2])))
+    outputs = []
+    for start in range(0, q_len, block):
+        stop = min(start + block, q_len)
+        outputs.append(
+            sdpa_flushing_denormals(
+                query[:, :, start:stop], key, value, attn_mask=_bidirectional_bias(call, slopes, start, stop),
+                dropout_p=call.dropout, scale=call.scaling, enable_gqa=heads != key.shape[1],
+            )
+        )
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+def _bidirectional_bias(call: FusedCall, slopes: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """-m |i - j| for queries start..stop, merged with transformers' mask: [1 or B, H, stop - start, kv]."""
+    dtype = call.query.dtype
+    distance = (call.key_pos[..., None, :] - call.query_pos[..., start:stop, None]).abs().to(dtype)  # [.., q, kv]
+    if distance.dim() == 2:
+        distance = distance[None]
+    bias = -(slopes.to(dtype)[None, :, None, None] * distance[:, None])
+    mask = call.attention_mask
+    if mask is None:
+        return bias
+    mask = mask[..., : call.key.shape[2]] if mask.shape[-2] == 1 else mask[..., start:stop, : call.key.shape[2]]
+    lowest = torch.finfo(dtype).min
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, lowest)
+    return (bias + mask).clamp(min=lowest)
