@@ -157,6 +157,10 @@ def _small_query_attention(call: FusedCall, slopes: torch.Tensor, plan: CausalPl
 # arithmetic on denormals is ~100x slower (measured: the fused kernel 1.66x native at 8k, 4.5x in backward; 1.13x and
 # 1.19x with denormals flushed). Their weights are below 1e-38 of the largest, so flushing them to zero changes no
 # float32 result that matters. The flag is per thread; it is set around the kernel (and its backward) and restored.
+# torch's worker threads keep their own flag (they inherit it when created): the calling thread's share of the
+# kernel is flushed (2 threads, batch 1: the first half of the heads, the steepest slopes, where most of the
+# denormals are up to 8k tokens); a program that
+# calls torch.set_flush_denormal(True) before its first parallel op gets it in every thread.
 
 
 def _flushing_now() -> bool:
@@ -170,7 +174,7 @@ def _flush_on() -> bool:
 
 def sdpa_flushing_denormals(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
     """``scaled_dot_product_attention`` with denormals flushed to zero in its forward and backward (CPU only)."""
-    if query.device.type != "cpu":
+    if query.device.type != "cpu" or torch.compiler.is_compiling():  # the flag is no graph op: leave it alone
         return F.scaled_dot_product_attention(query, key, value, **kwargs)
     turned_on = _flush_on()
     try:
