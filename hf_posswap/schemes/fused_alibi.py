@@ -154,13 +154,13 @@ def _small_query_attention(call: FusedCall, slopes: torch.Tensor, plan: CausalPl
 
 # ---------------------------------------------------------------------------------------------------------------
 # Denormals: far keys' logits lie 87-103 below the row's maximum, where exp() gives float32 denormals, and CPU
-# arithmetic on denormals is ~100x slower (measured: the fused kernel 1.66x native at 8k, 4.5x in backward; 1.13x and
-# 1.19x with denormals flushed). Their weights are below 1e-38 of the largest, so flushing them to zero changes no
-# float32 result that matters. The flag is per thread; it is set around the kernel (and its backward) and restored.
-# torch's worker threads keep their own flag (they inherit it when created): the calling thread's share of the
-# kernel is flushed (2 threads, batch 1: the first half of the heads, the steepest slopes, where most of the
-# denormals are up to 8k tokens); a program that
-# calls torch.set_flush_denormal(True) before its first parallel op gets it in every thread.
+# arithmetic on denormals is ~100x slower (measured, 2 threads: the fused kernel 1.66x native at 2k and 8k, 4.5x in
+# the 2k backward; 1.13x, 1.19x with denormals flushed). Their weights are below 1e-38 of the largest, so flushing
+# them to zero changes no float32 result that matters. The flag is per thread; it is set around the kernel (and its
+# backward) and restored. torch's worker threads keep their own flag (they inherit it when created), so only the
+# calling thread's share of the kernel is flushed (2 threads, batch 1: the first half of the heads, the steepest
+# slopes, where most denormals are up to 8k tokens); a program that calls torch.set_flush_denormal(True) before its
+# first parallel op has it in every thread.
 
 
 def _flushing_now() -> bool:
