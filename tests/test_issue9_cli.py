@@ -130,7 +130,7 @@ BEFORE_LOADING = [
     ("eval-malformed-adapter-record", E + ["{ws}/odd_record"], "odd_record/posswap_adapter.json' is malformed"),
     ("eval-adapter-base-gone", E + ["{ws}/lost_base"], "moved-away': no such directory"),
     ("eval-tail-from-past-lengths", E + ["{ws}/llama", "--mode", "windows", "tail", "--tail-from", "1024"],
-     "tail_from=1024"),
+     "--tail-from 1024"),
     ("eval-trials-0", E + ["{ws}/llama", "--passkey-lengths", "200", "--trials", "0"], "got 0"),
     ("eval-passkey-length-0", E + ["{ws}/llama", "--passkey-lengths", "0"], "got 0"),
     ("eval-passkey-negative", E + ["{ws}/llama", "--passkey-lengths", "-3"], "got -3"),

@@ -121,3 +121,42 @@ def test_every_import_names_something_that_exists() -> None:
             missing += [f"{name}: {target}.{a.name}" for a in node.names
                         if not hasattr(module, a.name) and importlib.util.find_spec(f"{target}.{a.name}") is None]
     assert not missing
+
+
+def test_the_standalone_bundle_holds_every_module_its_modules_import() -> None:
+    """export_standalone concatenates BUNDLED in order and drops relative imports: every hf_posswap module a bundled
+    module imports must be bundled before it (a new scheme or helper module left out breaks exported checkpoints)."""
+    from hf_posswap.persistence.export import BUNDLED
+
+    bundled = [name.replace("/", ".") for name in BUNDLED]
+    graph = modules()
+    problems = []
+    for index, name in enumerate(bundled):
+        top_level = top_level_imports(PACKAGE / f"{name.replace('.', '/')}.py")
+        for target in sorted(graph[name]):
+            if (PACKAGE / target.replace(".", "/")).is_dir():
+                continue  # a package's __init__ re-exports names that live in bundled modules
+            if target not in bundled:
+                problems.append(f"{name} imports {target}, which is not bundled")
+            elif target in top_level and target not in bundled[:index]:  # lazy imports run later: any order
+                problems.append(f"{name} imports {target} at import time, but it is bundled after it")
+    assert not problems, problems
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The hf_posswap modules ``path`` imports in its module body (not inside functions)."""
+    package = module_name(path).split(".")[:-1]
+    found = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ImportFrom) and node.level and node.module:
+            base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+            found.add(".".join([*base, *node.module.split(".")]))
+    return found
+
+
+def test_every_registered_scheme_is_bundled() -> None:
+    from hf_posswap.persistence.export import BUNDLED
+
+    for name in hf_posswap.available_schemes():
+        module = hf_posswap.schemes.SCHEME_REGISTRY.get(name).__module__.removeprefix("hf_posswap.")
+        assert module.replace(".", "/") in BUNDLED, f"scheme {name!r} ({module}) is not in export.BUNDLED"

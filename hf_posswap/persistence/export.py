@@ -23,7 +23,8 @@ REMOTE_FILE = "modeling_posswap.py"
 #: hf_posswap modules bundled into the remote file, in dependency order
 BUNDLED = (
     "errors", "registry", "edits", "schemes/base", "schemes/rope_scaling", "schemes/learned", "schemes/sinusoidal",
-    "schemes/nope", "schemes/rope", "schemes/alibi", "schemes/t5", "families/base", "families/gpt2", "families/bert",
+    "schemes/nope", "schemes/rope", "schemes/fused_alibi", "schemes/alibi", "schemes/fused_t5", "schemes/t5",
+    "schemes/kerple", "schemes/sandwich", "schemes/fire", "families/base", "families/gpt2", "families/bert",
     "families/llama", "core/state", "core/native", "core/context", "core/self_extend", "core/attention", "core/swap",
     "core/extend", "persistence/autoload", "persistence/restore",
 )
