@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hf_posswap.persistence.saving import write_file_atomic
+
 
 def replace_section(readme: Path, name: str, body: str) -> None:
     """Rewrite the text between the markers of ``name`` in ``readme`` with ``body``; the markers must exist."""
@@ -13,4 +15,4 @@ def replace_section(readme: Path, name: str, body: str) -> None:
         raise SystemExit(f"{readme} has no '{start}' ... '{end}' markers; add them where the section should go.")
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
-    readme.write_text(f"{head}{start}\n{body.strip()}\n{end}{tail}", encoding="utf-8")
+    write_file_atomic(readme, f"{head}{start}\n{body.strip()}\n{end}{tail}")  # never a half-written README
