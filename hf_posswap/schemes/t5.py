@@ -111,12 +111,13 @@ class T5RelativeBias(BiasPositions):
         """Exact attention with this bias split into far parts (one constant per head past the saturation distance)
         and a near band (see :mod:`hf_posswap.schemes.fused_t5`): output [B, q, H, D], or None (dense path).
 
-        Runs on CPU in float32 and float64, for causal models with or without a cache (prefill, decoding, chunks)
-        and for encoders without a cache, with grouped kv heads unexpanded and shared or per-layer tables. Declines
-        (returns None): padding masks (anything but the plain causal pattern), explicit per-row positions, dropout
-        in training, other dtypes and devices.
+        Runs on CPU in float32 and float64, for causal models with or without a cache (prefill, chunks after a
+        cache, static caches) and for encoders without a cache, with grouped kv heads unexpanded and shared or
+        per-layer tables. Declines (returns None): a single query (a decoding step: its dense bias is one row per
+        head, shared by every layer, and one sdpa call beats the split), padding masks (anything but the plain
+        causal pattern), per-row positions that differ, dropout in training, other dtypes and devices.
         """
-        plan = self._fused_plan(call)
+        plan = self._fused_plan(call) if call.query.shape[2] > 1 else None
         if plan is None:
             return None
         table = self.tables[0] if len(self.tables) == 1 else self.tables[call.layer_idx]
