@@ -57,13 +57,12 @@ def alibi_attention(call: FusedCall, slopes: torch.Tensor) -> torch.Tensor | Non
 
 @dataclass
 class CausalPlan:
-    """How one causal call runs: the first ``visible`` keys (the rest are in no query's past), the mask or
-    ``is_causal`` that keeps each query to its past, and the reference position c ([] or [B, 1])."""
+    """How one causal call runs: the first ``visible`` keys (the rest are in no query's past), and the mask or
+    ``is_causal`` that keeps each query to its past."""
 
     visible: int
     mask: torch.Tensor | None
     is_causal: bool
-    centre: torch.Tensor
 
 
 def causal_plan(call: FusedCall) -> CausalPlan | None:
@@ -77,26 +76,37 @@ def causal_plan(call: FusedCall) -> CausalPlan | None:
     """
     q_len, kv_len = call.query.shape[2], call.key.shape[2]
     query_pos, key_pos = call.query_pos, call.key_pos
+    if call.attention_mask is not None:
+        return CausalPlan(kv_len, call.attention_mask[..., :kv_len], False)
     if query_pos.dim() == 2:
-        centre = torch.div(query_pos[:, :1] + query_pos[:, -1:], 2, rounding_mode="floor")  # [B, 1]
-        if call.attention_mask is not None:
-            return CausalPlan(kv_len, call.attention_mask[..., :kv_len], False, centre)
         if q_len != kv_len or not torch.equal(query_pos, key_pos) or not _increasing(query_pos):
             return None
-        return CausalPlan(kv_len, None, q_len > 1, centre)
-    centre = torch.div(query_pos[0] + query_pos[-1], 2, rounding_mode="floor")
-    if call.attention_mask is not None:
-        return CausalPlan(kv_len, call.attention_mask[..., :kv_len], False, centre)
+        return CausalPlan(kv_len, None, q_len > 1)
     lag = int(query_pos[0] - key_pos[0])  # the first query sees keys 0 .. lag
     visible = min(kv_len, q_len + lag)
     if lag < 0 or visible < 1:
         return None
     if q_len == 1:
-        return CausalPlan(visible, None, False, centre)
+        return CausalPlan(visible, None, False)
     if lag == 0:
-        return CausalPlan(visible, None, True, centre)
+        return CausalPlan(visible, None, True)
     allowed = torch.ones(q_len, visible, dtype=torch.bool, device=call.query.device).tril(lag)
-    return CausalPlan(visible, allowed, False, centre)
+    return CausalPlan(visible, allowed, False)
+
+
+def memoised_plan(call: FusedCall) -> CausalPlan | None:
+    """:func:`causal_plan`, once per forward: every layer of a forward has the same positions and mask."""
+    mask_id = None if call.attention_mask is None else id(call.attention_mask)
+    key = ("alibi-plan", call.query.shape[2], call.key.shape[2], call.query_pos.dim(), mask_id)
+    if key not in call.memo:
+        call.memo[key] = causal_plan(call)
+    return call.memo[key]
+
+
+def _centre(query_pos: torch.Tensor) -> torch.Tensor:
+    """The reference position c: the middle of the query positions ([] or [B, 1] for per-row positions)."""
+    first, last = (query_pos[0], query_pos[-1]) if query_pos.dim() == 1 else (query_pos[:, :1], query_pos[:, -1:])
+    return torch.div(first + last, 2, rounding_mode="floor")
 
 
 def _increasing(positions: torch.Tensor) -> bool:
@@ -106,7 +116,7 @@ def _increasing(positions: torch.Tensor) -> bool:
 def causal_alibi_attention(call: FusedCall, slopes: torch.Tensor) -> torch.Tensor | None:
     """Causal ALiBi through one fused sdpa call on q, k, v widened by one column (module docstring); a few
     queries after a cache (decoding) get their small ``[q, kv]`` bias instead, which spares copying the cache."""
-    plan = causal_plan(call)
+    plan = memoised_plan(call)
     if plan is None:
         return None
     if call.query.shape[2] <= SMALL_QUERY and call.query.shape[2] < plan.visible:
@@ -114,7 +124,7 @@ def causal_alibi_attention(call: FusedCall, slopes: torch.Tensor) -> torch.Tenso
     query, key, value = call.query, call.key[:, :, : plan.visible], call.value[:, :, : plan.visible]
     dtype, (batch, heads, q_len, head_dim) = query.dtype, query.shape
     slope_column = (slopes.to(dtype) / call.scaling).view(1, heads, 1, 1).expand(batch, heads, q_len, 1)
-    offsets = (call.key_pos[..., : plan.visible] - plan.centre).to(dtype)  # [kv] or [B, kv]: j - c
+    offsets = (call.key_pos[..., : plan.visible] - _centre(call.query_pos)).to(dtype)  # [kv] or [B, kv]: j - c
     key_column = offsets.view(-1, 1, plan.visible, 1).expand(batch, key.shape[1], plan.visible, 1)
     output = sdpa_flushing_denormals(
         torch.cat([query, slope_column], dim=-1),
@@ -134,22 +144,36 @@ def _small_query_attention(call: FusedCall, slopes: torch.Tensor, plan: CausalPl
     are folded into the query rows ([B, H, q] -> [B, Hkv, groups * q], a view), so the cache is never expanded."""
     query, key, value = call.query, call.key[:, :, : plan.visible], call.value[:, :, : plan.visible]
     (batch, heads, q_len, head_dim), kv_heads = query.shape, key.shape[1]
-    dtype, lowest = query.dtype, torch.finfo(query.dtype).min
-    distance = (call.key_pos[..., None, : plan.visible] - call.query_pos[..., :, None]).to(dtype)  # j - i
-    bias = slopes.to(dtype)[:, None, None] * (distance[:, None] if distance.dim() == 3 else distance[None, None])
-    mask = plan.mask  # never is_causal here: fewer queries than visible keys
-    if mask is not None:
-        bias = bias.masked_fill(~mask, lowest) if mask.dtype == torch.bool else (bias + mask).clamp(min=lowest)
+    bias = _small_query_bias(call, slopes, plan)
     folded = heads // kv_heads * q_len
     output = sdpa_flushing_denormals(
         query.reshape(batch, kv_heads, folded, head_dim),
         key,
         value,
-        attn_mask=bias.reshape(bias.shape[0], kv_heads, folded, plan.visible),
+        attn_mask=bias.view(bias.shape[0], kv_heads, folded, plan.visible),
         dropout_p=call.dropout,
         scale=call.scaling,
     )
     return output.view(batch, heads, q_len, head_dim).transpose(1, 2).contiguous()
+
+
+def _small_query_bias(call: FusedCall, slopes: torch.Tensor, plan: CausalPlan) -> torch.Tensor:
+    """-m (i - j) with the plan's mask merged in: [1 or B, H, q, visible]; once per forward when no gradient needs
+    it (every layer shares the slopes)."""
+    dtype = call.query.dtype
+    key = ("alibi-small-bias", call.query.shape[2], plan.visible, dtype, None if plan.mask is None else id(plan.mask))
+    memoise = not (slopes.requires_grad and torch.is_grad_enabled())
+    if memoise and key in call.memo:
+        return call.memo[key]
+    distance = (call.key_pos[..., None, : plan.visible] - call.query_pos[..., :, None]).to(dtype)  # j - i
+    bias = slopes.to(dtype)[:, None, None] * (distance[:, None] if distance.dim() == 3 else distance[None, None])
+    mask, lowest = plan.mask, torch.finfo(dtype).min  # never is_causal here: fewer queries than visible keys
+    if mask is not None:
+        bias = bias.masked_fill(~mask, lowest) if mask.dtype == torch.bool else (bias + mask).clamp(min=lowest)
+    bias = bias.contiguous()
+    if memoise:
+        call.memo[key] = bias
+    return bias
 
 
 # ---------------------------------------------------------------------------------------------------------------
