@@ -222,16 +222,21 @@ def test_float32_error_at_long_lengths_is_within_the_stated_tolerance(length: in
 
 
 @pytest.mark.parametrize("before", [False, True])
-def test_denormal_setting_is_restored_after_forward_and_backward(before: bool) -> None:
+@pytest.mark.parametrize(("q_len", "kv_len", "causal"), [(24, 24, True), (1, 24, True), (24, 24, False)])
+def test_denormal_setting_is_restored_after_forward_and_backward(before: bool, q_len, kv_len, causal) -> None:
+    """Separable, decoding and Toeplitz forms; trainable slopes with frozen q, k, v (the slopes' bias is then the
+    kernel's only input with a gradient) and with q trainable too."""
     torch.set_flush_denormal(before)
     try:
-        call = make_call(24, 24)
-        call.query.requires_grad_()
-        output = fused(call, alibi_slopes(4).requires_grad_())
-        assert fused_alibi._flushing_now() is before
-        output.sum().backward()
-        assert fused_alibi._flushing_now() is before
-        assert call.query.grad is not None
+        for train_query in (False, True):
+            call = make_call(q_len, kv_len, causal=causal, kv_heads=2 if causal else 4)
+            call.query.requires_grad_(train_query)
+            slopes = alibi_slopes(4).requires_grad_()
+            output = fused(call, slopes)
+            assert fused_alibi._flushing_now() is before
+            output.sum().backward()
+            assert fused_alibi._flushing_now() is before
+            assert slopes.grad is not None and (call.query.grad is not None) is train_query
     finally:
         torch.set_flush_denormal(False)
 

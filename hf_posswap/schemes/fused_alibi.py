@@ -206,8 +206,9 @@ def sdpa_flushing_denormals(query: torch.Tensor, key: torch.Tensor, value: torch
     finally:
         if turned_on:
             torch.set_flush_denormal(False)
-    if output.requires_grad:
-        _flush_in_backward(output, [t for t in (query, key, value) if t.requires_grad])
+    if output.requires_grad:  # the mask too: a trainable bias with frozen q, k, v is the only input with a grad
+        inputs = (query, key, value, kwargs.get("attn_mask"))
+        _flush_in_backward(output, [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad])
     return output
 
 
