@@ -9,7 +9,8 @@ slopes' gradient flows through the extra query column.
 
 Precision: the kernel adds ``m (j - c)`` to ``s q.k`` in the working dtype, so the logits of the keys that matter
 (near the query) carry a rounding error of about eps * m * |i - c|. The reference c is the middle of the query
-positions (decoding steps take their small exact bias instead). Only float32 and float64 take
+positions (decoding steps take their small exact bias instead); past 8k tokens at slope 1/2 a prefill runs in
+blocks of queries with a reference each, so the error stops growing with the length. Only float32 and float64 take
 this path; float16/bfloat16 (eps 1e-3 / 8e-3) keep the dense path. The float32 error, measured and tested
 (``tests/test_fast_alibi.py``): see :data:`FP32_TOLERANCE`.
 
@@ -33,6 +34,11 @@ FUSED_DTYPES = (torch.float32, torch.float64)
 #: random q/k/v: measured 2.2e-5 at 2,048 tokens and 7.9e-5 at 8,192 on the first and last queries (the middle
 #: ones: 1.5e-6); the dense float32 path's own error there is 9e-7. It grows with the largest slope x the length.
 FP32_TOLERANCE = {2048: 5e-5, 8192: 2e-4}
+#: a causal prefill whose largest |slope| x length is above PRECISE_SPAN runs in blocks of PRECISE_BLOCK queries,
+#: each with its own reference position, so the float32 error stays at the 8k level (~1e-4) however long the input
+#: (the blocks cost a boolean mask each and lose is_causal's skipping on their diagonal square)
+PRECISE_SPAN = 4096.0
+PRECISE_BLOCK = 4096
 #: calls with at most this many queries (decoding steps) take the small dense bias: no copy of the cache
 SMALL_QUERY = 16
 #: bidirectional calls with a padding mask: the dense path (its bias shared by every layer) up to this many bias
@@ -115,28 +121,52 @@ def _increasing(positions: torch.Tensor) -> bool:
 
 def causal_alibi_attention(call: FusedCall, slopes: torch.Tensor) -> torch.Tensor | None:
     """Causal ALiBi through one fused sdpa call on q, k, v widened by one column (module docstring); a few
-    queries after a cache (decoding) get their small ``[q, kv]`` bias instead, which spares copying the cache."""
+    queries after a cache (decoding) get their small ``[q, kv]`` bias instead, which spares copying the cache; a
+    long prefill with steep slopes runs in query blocks (:data:`PRECISE_SPAN`)."""
     plan = memoised_plan(call)
     if plan is None:
         return None
-    if call.query.shape[2] <= SMALL_QUERY and call.query.shape[2] < plan.visible:
+    q_len = call.query.shape[2]
+    if q_len <= SMALL_QUERY and q_len < plan.visible:
         return _small_query_attention(call, slopes, plan)
-    query, key, value = call.query, call.key[:, :, : plan.visible], call.value[:, :, : plan.visible]
+    if plan.is_causal and q_len > PRECISE_BLOCK and float(slopes.detach().abs().max()) * q_len > PRECISE_SPAN:
+        return _blocked_separable(call, slopes)
+    return _separable(call, slopes, slice(None), plan.visible, plan.mask, plan.is_causal)
+
+
+def _separable(
+    call: FusedCall, slopes: torch.Tensor, rows: slice, visible: int, mask: torch.Tensor | None, is_causal: bool
+) -> torch.Tensor:
+    """The queries ``rows`` against the first ``visible`` keys in the separable form: output [B, rows, H, D]."""
+    query, key, value = call.query[:, :, rows], call.key[:, :, :visible], call.value[:, :, :visible]
     dtype, (batch, heads, q_len, head_dim) = query.dtype, query.shape
     slope_column = (slopes.to(dtype) / call.scaling).view(1, heads, 1, 1).expand(batch, heads, q_len, 1)
-    offsets = (call.key_pos[..., : plan.visible] - _centre(call.query_pos)).to(dtype)  # [kv] or [B, kv]: j - c
-    key_column = offsets.view(-1, 1, plan.visible, 1).expand(batch, key.shape[1], plan.visible, 1)
+    offsets = (call.key_pos[..., :visible] - _centre(call.query_pos[..., rows])).to(dtype)  # [kv] or [B, kv]: j - c
+    key_column = offsets.view(-1, 1, visible, 1).expand(batch, key.shape[1], visible, 1)
     output = sdpa_flushing_denormals(
         torch.cat([query, slope_column], dim=-1),
         torch.cat([key, key_column], dim=-1),
         F.pad(value, (0, 1)),
-        attn_mask=plan.mask,
+        attn_mask=mask,
         dropout_p=call.dropout,
-        is_causal=plan.is_causal,
+        is_causal=is_causal,
         scale=call.scaling,
         enable_gqa=heads != key.shape[1],
     )
     return output[..., :head_dim].transpose(1, 2).contiguous()  # [B, H, q, D+1] -> [B, q, H, D]
+
+
+def _blocked_separable(call: FusedCall, slopes: torch.Tensor) -> torch.Tensor:
+    """A causal prefill (queries = keys) in blocks of PRECISE_BLOCK queries, each with its own reference position:
+    block [a, b) sees keys [0, b) through a bottom-right ``[b - a, b]`` boolean mask (the first block: is_causal)."""
+    q_len, outputs = call.query.shape[2], []
+    for start in range(0, q_len, PRECISE_BLOCK):
+        stop = min(start + PRECISE_BLOCK, q_len)
+        mask = None
+        if start:
+            mask = torch.ones(stop - start, stop, dtype=torch.bool, device=call.query.device).tril(start)
+        outputs.append(_separable(call, slopes, slice(start, stop), stop, mask, is_causal=start == 0))
+    return torch.cat(outputs, dim=1)
 
 
 def _small_query_attention(call: FusedCall, slopes: torch.Tensor, plan: CausalPlan) -> torch.Tensor:
