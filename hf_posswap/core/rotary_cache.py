@@ -1,0 +1,274 @@
+"""RoPE inside attention with keys rotated once, where they enter the KV cache.
+
+GPT-2 and BERT project and cache keys with no hook in between, so rotary schemes rotate q and k inside the attention
+function, which receives the cache's own key tensor (past and current tokens). Rotating every cached key again at
+every decode step costs a pass over the whole cache per layer and step (0.74x native tokens/s). Here a key is
+rotated the first time it reaches attention, *in the cache's own tensor*, and the cache layer records how many of
+its leading slots hold rotated keys and with which rotation (:class:`RotatedKeys`, an attribute of the layer, so
+``copy.deepcopy`` of a cache carries it). Later steps rotate only the new tail; queries and the tail share one cos/sin
+per forward (``context.memo``), so cos/sin are computed once per forward, not once per layer.
+
+When keys are rotated in place (:func:`cache_layer`): a length-independent rotation (not dynamic NTK or LongRoPE,
+whose rotation of a position changes with the current length, and not Self-Extend, which needs the keys unrotated),
+a cache layer that is not sliding and whose key tensor is the one attention received (transformers' dynamic and
+static layers), and slots indexed by position (a static cache's whole buffer too). Everything else takes the full
+path of before: every key rotated at every step, out of place.
+
+Why the record stays right: beam search (``reorder_cache``), ``batch_select_indices`` and ``batch_repeat_interleave``
+move rows, not positions; ``crop`` (assisted decoding) and ``reset`` shorten the layer, and only ``min(count,
+cached length)`` slots are trusted; slots appended by anything else (a forward that made its own cache, a native
+model) are rotated when they are first seen. A cache layer whose keys require grad, or are inference tensors outside
+inference mode, is never written: its unrotated tail is rotated out of place at every step.
+
+What the record cannot protect: a cache rebuilt from its tensors (the record is lost and the keys would be rotated
+twice), and a model without hf_posswap's attention (a native model, or the model after ``hf_posswap.unswap``) that
+continues a cache a swapped model filled: it reads rotated keys. Swapped models check: a cache rotated with another
+rotation, or reaching a scheme that needs unrotated keys, is refused (:func:`refuse_foreign_rotation`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InvalidConfigError
+from ..schemes.rope import apply_rotary
+
+#: attribute of a transformers cache layer that records its rotated slots
+MARKER = "posswap_rotated_keys"
+#: rope types whose rotation of a position depends on the current length
+LENGTH_DEPENDENT = ("dynamic", "longrope")
+
+
+@dataclass(frozen=True)
+class RotatedKeys:
+    """Slots ``[0, count)`` of a cache layer's keys hold keys rotated by their slot index, with the rotation whose
+    cos and sin at position 1 are ``signature``."""
+
+    count: int
+    signature: tuple[float, ...]
+
+
+def rotates_once(positions: nn.Module | None, self_extend: Any) -> bool:
+    """Whether a rotary scheme may store keys rotated: the rotation of a position must not depend on the current
+    length, and nothing may need the keys unrotated later (Self-Extend regroups positions past its window)."""
+    rope_type = getattr(positions, "rope_type", None)
+    return self_extend is None and rope_type is not None and rope_type not in LENGTH_DEPENDENT
+
+
+def rotary_inputs(module: nn.Module, query: torch.Tensor, key: torch.Tensor, context: Any) -> tuple[torch.Tensor, ...]:
+    """Rotated (q [B, H, q, D], k [B, Hkv, kv, D]) for a :class:`~hf_posswap.core.context.PositionContext`.
+
+    Keys held by a cache layer (see :func:`cache_layer`) are rotated once, in place; other keys are all rotated,
+    out of place, with the positions the context gives them.
+    """
+    scheme = context.positions
+    q_len, kv_len = query.shape[2], key.shape[2]
+    seq_len = context.query_offset + q_len  # the current length, for length-dependent scalings
+    rows = context.row_positions
+    if rows is not None and rows.shape[-1] == q_len == kv_len:  # explicit positions (PoSE): no cache
+        cos, sin = _row_angles(context, scheme, rows, seq_len)
+        return rotate(query, cos, sin, context), rotate(key, cos, sin, context)
+    query = rotate(query, *angles(context, context.query_offset, q_len, seq_len, query.device), context)
+    layer = cache_layer(module, key, q_len, context)
+    if layer is None:
+        start = context.key_start(q_len, kv_len)
+        return query, rotate(key, *angles(context, start, kv_len, seq_len, key.device), context)
+    return query, _rotate_cached(layer, key, q_len, context)
+
+
+def angles(context: Any, start: int, length: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """cos, sin [length, r] of positions ``start .. start + length - 1``, computed once per forward and shared by
+    every layer (and by the queries and the new keys, which sit at the same positions)."""
+    memo_key = ("rope-angles", start, length, seq_len, device, torch.is_grad_enabled())
+    found = context.memo.get(memo_key)
+    if found is None:
+        found = context.positions(torch.arange(start, start + length, device=device), seq_len)
+        context.memo[memo_key] = found
+    return found
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: Any) -> torch.Tensor:
+    """``apply_rotary(x, cos, sin)`` for x [B, H, n, D], in fewer passes over x: one token (a decode step) is one
+    matmul with its rotation matrix (same values to float rounding); more tokens are rotated with a sign-folded
+    sin and in-place products (the same values, bit for bit). Both helpers are built once per forward."""
+    if sin.requires_grad or cos.requires_grad:  # a trainable rotation: keep autograd's view of every product
+        return apply_rotary(x, cos, sin)
+    if x.shape[-2] == 1 and cos.dim() == 2:
+        return torch.matmul(x, _rotation_matrix(context, cos, sin, x.shape[-1], x.dtype))
+    rotary_dim, half = cos.shape[-1], cos.shape[-1] // 2
+    signed_sin = _signed_sin(context, sin, x.dtype)
+    cos = cos.to(x.dtype)
+    if cos.dim() == 3:  # per-row positions [B, L, r] -> [B, 1, L, r] (broadcast over heads)
+        cos = cos[:, None]
+    part = x[..., :rotary_dim]
+    # rotate_half(x) * sin = cat(x2, x1) * cat(-sin1, sin2): the sign moves onto sin, the products happen in place
+    rotated = (part * cos).add_(torch.cat((part[..., half:], part[..., :half]), dim=-1).mul_(signed_sin))
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1) if rotary_dim < x.shape[-1] else rotated
+
+
+def _signed_sin(context: Any, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cat(-sin1, sin2) in ``dtype`` ([L, r], or [B, 1, L, r] for per-row positions), once per forward."""
+    memo_key = ("rope-signed-sin", id(sin), dtype)
+    found = context.memo.get(memo_key)
+    if found is None:
+        half = sin.shape[-1] // 2
+        found = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(dtype)
+        if found.dim() == 3:
+            found = found[:, None]
+        context.memo[memo_key] = found
+    return found
+
+
+def _rotation_matrix(context: Any, cos: torch.Tensor, sin: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """R [D, D] with x @ R = x * cos + rotate_half(x) * sin on the first r dims and x on the others (cos, sin [1, r]):
+    out_j = x_j cos_j - x_(j+h) sin_j for j < h = r / 2, out_j = x_j cos_j + x_(j-h) sin_j for h <= j < r."""
+    memo_key = ("rope-matrix", id(cos), dim, dtype)
+    found = context.memo.get(memo_key)
+    if found is None:
+        rotary_dim, half = cos.shape[-1], cos.shape[-1] // 2
+        cos, sin = cos[0].to(dtype), sin[0].to(dtype)
+        found = torch.eye(dim, dtype=dtype, device=cos.device)
+        index = torch.arange(rotary_dim, device=cos.device)
+        found[index, index] = cos
+        found[index[:half] + half, index[:half]] = -sin[:half]
+        found[index[:half], index[half:]] = sin[half:]
+        context.memo[memo_key] = found
+    return found
+
+
+def _row_angles(context: Any, scheme: nn.Module, rows: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, ...]:
+    """cos, sin [B, L, r] of explicit per-row positions, once per forward."""
+    memo_key = ("rope-rows", id(rows), seq_len, rows.device, torch.is_grad_enabled())
+    found = context.memo.get(memo_key)
+    if found is None:
+        found = scheme(rows, seq_len)
+        context.memo[memo_key] = found
+    return found
+
+
+def cache_layer(module: nn.Module, key: torch.Tensor, q_len: int, context: Any) -> Any | None:
+    """The cache layer whose key tensor ``key`` is, when its keys may be stored rotated (else None): a
+    length-independent rotation, a layer that is not sliding, and slots indexed by position."""
+    if context.cache is None or not rotates_once(context.positions, context.self_extend):
+        return None
+    layer = _layer_at(context.cache, getattr(module, "layer_idx", None))
+    if layer is None or getattr(layer, "keys", None) is not key or getattr(layer, "is_sliding", False):
+        return None
+    if key.dim() != 4 or key.shape[2] < context.query_offset + q_len:  # slot index != position
+        return None
+    return layer
+
+
+def _rotate_cached(layer: Any, key: torch.Tensor, q_len: int, context: Any) -> torch.Tensor:
+    """Rotate the slots of ``key`` (the layer's own tensor) that are not rotated yet; return the keys to attend."""
+    offset = context.query_offset
+    end = offset + q_len
+    signature = rotation_signature(context, key.device)
+    done = _rotated_prefix(layer, signature, offset, context)
+    if _writable(key):
+        tail = key[:, :, done:end]
+        tail.copy_(rotate(tail, *angles(context, done, end - done, end, key.device), context))
+        setattr(layer, MARKER, RotatedKeys(end, signature))
+        return key
+    # never written (keys that require grad, inference tensors): rotate the rest out of place at every step
+    rest = rotate(key[:, :, done:], *angles(context, done, key.shape[2] - done, end, key.device), context)
+    return torch.cat((key[:, :, :done], rest), dim=2) if done else rest
+
+
+def _rotated_prefix(layer: Any, signature: tuple[float, ...], offset: int, context: Any) -> int:
+    """How many leading slots of the layer hold keys rotated by this rotation (crop and reset shorten a layer
+    without telling it: only slots still in the cache before this forward count)."""
+    marker = getattr(layer, MARKER, None)
+    if marker is None:
+        return 0
+    done = min(marker.count, offset)
+    if done and marker.signature != signature:
+        theirs, ours = _describe_signature(marker.signature), _describe_signature(signature)
+        raise InvalidConfigError(
+            f"past_key_values holds keys that another RoPE (cos/sin at position 1 starting {theirs}) stored "
+            f"rotated, and this model rotates with {ours}: continuing the cache would mix two rotations. Continue "
+            "the cache with the model that filled it, or start a new one (past_key_values=None)."
+        )
+    return done
+
+
+def rotation_signature(context: Any, device: torch.device) -> tuple[float, ...]:
+    """cos and sin at position 1 (they fix the frequencies and the attention factor), computed once per scheme
+    module and state of its tensors, looked up once per forward."""
+    signature = context.memo.get("rope-signature")
+    if signature is None:
+        scheme = context.positions
+        stamp = (
+            device,
+            getattr(scheme, "attention_scaling", None),
+            tuple((t.data_ptr(), t._version) for t in (*scheme.buffers(), *scheme.parameters())),
+        )
+        known = _SIGNATURES.get(scheme)
+        if known is None or known[0] != stamp:
+            cos, sin = scheme(torch.ones(1, device=device))
+            known = (stamp, tuple(torch.cat((cos, sin), dim=-1).flatten().tolist()))
+            _SIGNATURES[scheme] = known
+        signature = context.memo["rope-signature"] = known[1]
+    return signature
+
+
+#: scheme module -> (stamp of its device, attention factor and tensors, signature)
+_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _writable(key: torch.Tensor) -> bool:
+    """Keys that may be rotated in place: no autograd history to corrupt, and not a read-only inference tensor."""
+    if key.requires_grad:
+        return False
+    return not (key.is_inference() and not torch.is_inference_mode_enabled())
+
+
+def refuse_foreign_rotation(cache: Any, positions: nn.Module | None, kind: str, self_extend: Any) -> None:
+    """Refuse a cache that holds rotated keys when this model's scheme needs them unrotated (any scheme but a
+    length-independent RoPE inside attention; that one checks the rotation itself, layer by layer)."""
+    if cache is None or (kind == "rotary" and rotates_once(positions, self_extend)):
+        return
+    for index, layer in enumerate(_layers(cache)):
+        marker = getattr(layer, MARKER, None)
+        if marker is not None and min(marker.count, _length(layer)) > 0:
+            raise InvalidConfigError(
+                f"past_key_values holds keys that a model with RoPE inside attention stored rotated (layer {index}, "
+                f"{min(marker.count, _length(layer))} positions), and this model's {_needs(kind, self_extend)} needs "
+                "them unrotated. Continue the cache with the model that filled it, or start a new one "
+                "(past_key_values=None)."
+            )
+
+
+def _needs(kind: str, self_extend: Any) -> str:
+    if kind != "rotary":
+        return f"'{kind}' scheme"
+    return "Self-Extend" if self_extend is not None else "RoPE that changes with the length"
+
+
+def _layers(cache: Any) -> list[Any]:
+    """The self-attention cache layers (an encoder-decoder cache's self-attention part)."""
+    cache = getattr(cache, "self_attention_cache", cache)
+    return list(getattr(cache, "layers", None) or [])
+
+
+def _layer_at(cache: Any, index: int | None) -> Any | None:
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None)
+    if layers is None or not isinstance(index, int) or not 0 <= index < len(layers):
+        return None
+    return layers[index]
+
+
+def _length(layer: Any) -> int:
+    try:
+        return int(layer.get_seq_length())
+    except (AttributeError, TypeError):
+        return 0
+
+
+def _describe_signature(signature: tuple[float, ...]) -> str:
+    return "(" + ", ".join(f"{value:.4g}" for value in signature[:3]) + ", ...)"
