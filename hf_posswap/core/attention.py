@@ -4,7 +4,8 @@ Registered through transformers' own extension points (``AttentionInterface`` an
 ``posswap_eager`` and ``posswap_sdpa``; ``swap`` selects one with ``model.set_attn_implementation``. Both read the
 :class:`~hf_posswap.context.PositionContext` passed down by the position hook, then:
 
-- rotary schemes rotate q and k by their positions (cached keys stay unrotated and are rotated by index);
+- rotary schemes rotate q and k by their positions; keys held by a KV cache are rotated once, where they enter it
+  (:mod:`~hf_posswap.core.rotary_cache`), so a decode step rotates only the new tokens;
 - bias schemes merge a ``[1, H, q, kv]`` logit bias into the attention mask, which both eager and sdpa add to the
   logits.
 
@@ -23,8 +24,8 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from ..schemes.base import FusedCall
-from ..schemes.rope import apply_rotary
 from .context import CONTEXT_KWARG, PositionContext
+from .rotary_cache import rotary_inputs
 from .self_extend import self_extend_attention
 
 EAGER = "posswap_eager"
@@ -97,20 +98,19 @@ def scheme_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Apply the context's scheme to q [B, H, q, D], k [B, Hkv, kv, D] and the mask; return (q, k, mask).
 
-    Rotary schemes rotate q and k. Bias schemes merge their bias into the mask; a merged mask that needs no
-    gradient (fixed ALiBi slopes, any scheme under ``no_grad``) is computed once per forward and shared by every
-    layer that shares the bias.
+    Rotary schemes rotate q and k (cached keys once, in the cache). Bias schemes merge their bias into the mask; a
+    merged mask that needs no gradient (fixed ALiBi slopes, any scheme under ``no_grad``) is computed once per
+    forward and shared by every layer that shares the bias.
     """
     if context is None or context.positions is None or not context.is_self_attention(module):
         return query, key, attention_mask
-    scheme = context.positions
-    query_pos, key_pos = context.query_key_positions(query.shape[2], key.shape[2], query.device)
-    if context.kind == "rotary":
-        seq_len = context.query_offset + query.shape[2]  # the current length, for length-dependent scalings
-        query = apply_rotary(query, *scheme(query_pos, seq_len))
-        return query, apply_rotary(key, *scheme(key_pos, seq_len)), attention_mask
+    if context.kind == "rotary":  # keys held by a KV cache are rotated once, in the cache (see rotary_cache)
+        query, key = rotary_inputs(module, query, key, context)
+        return query, key, attention_mask
     if context.kind != "bias":
         return query, key, attention_mask
+    scheme = context.positions
+    query_pos, key_pos = context.query_key_positions(query.shape[2], key.shape[2], query.device)
     layer_idx = getattr(module, "layer_idx", 0) or 0
     causal = bool(getattr(module, "is_causal", True))
     memo_key = (

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..errors import IncompatibleAttentionError, InvalidConfigError
 from ..families.base import FamilyAdapter, default_position_ids
+from .rotary_cache import refuse_foreign_rotation
 
 CONTEXT_KWARG = "posswap_context"
 POSITIONS_ATTR = "posswap_positions"
@@ -56,19 +57,23 @@ class PositionContext:
     #: per-row positions [B, kv] of a padded batch, from its 2D attention mask (set for Self-Extend only: its
     #: grouping floor(pos / G) depends on absolute positions, so a left-padded row must not count its padding)
     padded_positions: torch.Tensor | None = None
+    #: the KV cache the forward was given (None: no cache, or one the model makes itself); rotary schemes store
+    #: keys rotated in its layers (see :mod:`hf_posswap.core.rotary_cache`)
+    cache: Any = None
 
     def query_key_positions(self, q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """query positions [q] and key positions [kv] (or both [B, q] when explicit row positions are set).
-
-        Static caches hand attention the whole buffer (kv_len >= offset + q_len): buffer index = position.
-        Dynamic caches (possibly sliding) hold the latest kv_len tokens, ending at the current one.
-        """
+        """query positions [q] and key positions [kv] (or both [B, q] when explicit row positions are set)."""
         if self.row_positions is not None and self.row_positions.shape[-1] == q_len == kv_len:
             return self.row_positions, self.row_positions
         query_pos = torch.arange(q_len, device=device) + self.query_offset
-        key_start = max(self.query_offset + q_len - kv_len, 0)
-        key_pos = torch.arange(kv_len, device=device) + key_start
+        key_pos = torch.arange(kv_len, device=device) + self.key_start(q_len, kv_len)
         return query_pos, key_pos
+
+    def key_start(self, q_len: int, kv_len: int) -> int:
+        """Position of the first of kv_len keys. Static caches hand attention the whole buffer (kv_len >= offset +
+        q_len): buffer index = position. Dynamic caches (possibly sliding) hold the latest kv_len tokens, ending at
+        the current one."""
+        return max(self.query_offset + q_len - kv_len, 0)
 
 
 def _explicit_positions(kwargs: dict[str, Any], query_offset: int) -> torch.Tensor | None:
@@ -143,7 +148,9 @@ class PositionHook:
         if self.feeds_attention:
             self._check_attention_implementation(base)
         _check_position_ids(kwargs)
-        query_offset = _cache_length(kwargs.get("past_key_values"))
+        cache = kwargs.get("past_key_values")
+        query_offset = _cache_length(cache)
+        refuse_foreign_rotation(cache, getattr(base, POSITIONS_ATTR, None), self.kind, self.self_extend)
         self.adapter.prepare_inputs(base, kwargs, query_offset)
         positions = getattr(base, POSITIONS_ATTR, None)
         if self.adds_absolute and positions is not None:
@@ -158,6 +165,7 @@ class PositionHook:
                 self.self_extend,
             )
             context.row_positions = _explicit_positions(kwargs, query_offset)
+            context.cache = cache
             if self.self_extend is not None:
                 context.padded_positions = _padded_positions(kwargs.get("attention_mask"))
             kwargs[CONTEXT_KWARG] = context
