@@ -160,3 +160,29 @@ def test_every_registered_scheme_is_bundled() -> None:
     for name in hf_posswap.available_schemes():
         module = hf_posswap.schemes.SCHEME_REGISTRY.get(name).__module__.removeprefix("hf_posswap.")
         assert module.replace(".", "/") in BUNDLED, f"scheme {name!r} ({module}) is not in export.BUNDLED"
+
+
+def test_bundled_modules_define_distinct_top_level_names() -> None:
+    """The bundle is one namespace: a function, class or constant defined at the top of two bundled modules would
+    silently replace the first one for every module bundled before the second."""
+    from hf_posswap.persistence.export import BUNDLED
+
+    owners: dict[str, str] = {}
+    clashes = []
+    for name in BUNDLED:
+        tree = ast.parse((PACKAGE / f"{name}.py").read_text(encoding="utf-8"))
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined = [node.name]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                defined = [t.id for t in targets if isinstance(t, ast.Name)]
+            else:
+                continue
+            for item in defined:
+                if item in ("__all__", "logger"):  # per-module by design, read only at import time
+                    continue
+                if item in owners:
+                    clashes.append(f"{item}: {owners[item]} and {name}")
+                owners[item] = name
+    assert not clashes, clashes

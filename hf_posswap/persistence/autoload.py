@@ -94,7 +94,7 @@ def posswap_model_class(base: type) -> type:
             "__module__": __name__,
         },
     )
-    return _publish(new_class)
+    return _publish_model_class(new_class)
 
 
 def _build_at_original_length(config: Any, record: Any) -> None:
@@ -107,7 +107,7 @@ def _build_at_original_length(config: Any, record: Any) -> None:
         config.max_position_embeddings = original
 
 
-def _publish(cls: type) -> type:
+def _publish_model_class(cls: type) -> type:
     """Make ``cls`` reachable as ``hf_posswap.autoload.<name>`` (what pickle looks up)."""
     globals().setdefault(cls.__name__, cls)  # a clash of names (never among the built-in families) stays unpicklable
     return cls

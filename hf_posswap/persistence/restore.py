@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from ..core.context import POSITIONS_ATTR
 from ..core.native import install_native_restorers
 from ..core.state import MODEL_TYPE_PREFIX, check_record, swap_state
 from ..edits import Edit
@@ -34,7 +35,6 @@ from ..schemes.base import (
 from ..schemes.rope_scaling import SCALING_REGISTRY
 
 BOOKKEEPING = ("version", "family", "scheme", "extension")
-POSITIONS_ATTR = "posswap_positions"
 
 
 def scheme_from_record(record: dict[str, Any]) -> SchemeConfig:
