@@ -154,6 +154,10 @@ def fused_bias_attention(
         return None
     if not context.is_self_attention(module):
         return None
+    # mixed precision (autocast) hands q, k and v over in different dtypes and casts inside the fused forms' own
+    # matmuls: the dense path, which sdpa runs under autocast as it always did, is the safe one there
+    if torch.is_autocast_enabled(query.device.type) or not query.dtype == key.dtype == value.dtype:
+        return None
     query_pos, key_pos = context.query_key_positions(query.shape[2], key.shape[2], query.device)
     call = FusedCall(
         query=query,
