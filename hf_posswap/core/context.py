@@ -130,6 +130,7 @@ class PositionHook:
         layer_shared: bool = True,
         self_extend: tuple[int, int, int] | None = None,
         carriers: dict[str, str] | None = None,
+        combine: str = "add",
     ) -> None:
         self.adapter = adapter
         #: user's attention implementation -> the one that reads the context (in-attention schemes need one)
@@ -138,6 +139,8 @@ class PositionHook:
         self.kind = kind
         self.layer_shared = layer_shared
         self.adds_absolute = adds_absolute
+        #: how absolute vectors join the token embeddings: "add", or "concat" (the module then returns the embeddings)
+        self.combine = combine
         self.feeds_attention = feeds_attention
 
     def __call__(self, base: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
@@ -154,7 +157,7 @@ class PositionHook:
         self.adapter.prepare_inputs(base, kwargs, query_offset)
         positions = getattr(base, POSITIONS_ATTR, None)
         if self.adds_absolute and positions is not None:
-            self._add_absolute(base, positions, kwargs, query_offset)
+            self._add_absolute(base, positions, kwargs, query_offset, self.combine)
         if self.feeds_attention:
             context = PositionContext(
                 positions,
@@ -185,8 +188,12 @@ class PositionHook:
             )
 
     @staticmethod
-    def _add_absolute(base: nn.Module, positions: nn.Module, kwargs: dict[str, Any], query_offset: int) -> None:
-        """inputs_embeds [B, L, hidden] += positions(position_ids) for families without an absolute table slot."""
+    def _add_absolute(
+        base: nn.Module, positions: nn.Module, kwargs: dict[str, Any], query_offset: int, combine: str = "add"
+    ) -> None:
+        """inputs_embeds [B, L, hidden] += positions(position_ids) for families without an absolute table slot; with
+        ``combine="concat"`` the module is called as ``positions(position_ids, embeds)`` and returns the new
+        embeddings [B, L, hidden] (it concatenates and projects back)."""
         embeds = kwargs.get("inputs_embeds")
         if embeds is None:
             embeds = base.get_input_embeddings()(kwargs["input_ids"])
@@ -194,6 +201,9 @@ class PositionHook:
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             position_ids = default_position_ids(embeds.shape[0], embeds.shape[1], query_offset, embeds.device)
+        if combine == "concat":
+            kwargs["inputs_embeds"] = positions(position_ids, embeds)
+            return
         kwargs["inputs_embeds"] = embeds + positions(position_ids).to(embeds.dtype)
 
 

@@ -164,7 +164,8 @@ def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: 
     module = config.build(spec)
     if module is not None:
         module = module.to(device=spec.device)
-    slot = adapter.absolute_slot(base)
+    combine = getattr(config, "combine", "add")  # "concat" widens the embeddings: done by the hook, not the slot
+    slot = adapter.absolute_slot(base) if combine == "add" else None
     edits: list[Edit] = []
     if config.kind == "absolute" and slot is not None:
         parent, attr = slot
@@ -181,6 +182,7 @@ def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: 
         adapter,
         config.kind,
         adds_absolute=config.kind == "absolute" and slot is None,
+        combine=combine,
         feeds_attention=in_attention,
         layer_shared=config.layer_shared,
         self_extend=_self_extend_settings(config),
