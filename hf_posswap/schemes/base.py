@@ -254,3 +254,55 @@ class NoPositions(AbsolutePositions):
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# How absolute vectors join the token embeddings (``combine`` of the absolute schemes).
+
+#: "add": e + p (Vaswani et al. 2017, §3.5); "concat": W [e; p], a learned projection back to the hidden size
+COMBINE_MODES = ("add", "concat")
+
+
+def require_combine(owner: str, value: Any) -> None:
+    if not isinstance(value, str) or value not in COMBINE_MODES:
+        raise InvalidConfigError(
+            f"{owner}.combine must be 'add' (position vectors added to the token embeddings) or 'concat' "
+            f"(concatenated with them and projected back to the hidden size), got {value!r}."
+        )
+
+
+class ConcatPositions(AbsolutePositions):
+    """Concatenation instead of addition: ``projection([e; p])`` for token embeddings ``e`` and position vectors
+    ``p = positions(position_ids)``, both of the hidden size ``d``.
+
+    The projection ``W = [W_e | W_p]`` maps ``2d -> d`` without bias, so ``W [e; p] = W_e e + W_p p``:
+    concatenation is addition with separately projected token and position vectors (the untying Ke et al. 2021,
+    TUPE, arXiv:2006.15595, argue for). ``W`` starts as ``[I | I]``, where ``W [e; p] = e + p`` is exactly the
+    additive model of Vaswani et al. 2017, §3.5 (each output sums two non-zero products, so float32 gives the
+    same bits). Position vectors of another width than ``d`` would have no such start and are not offered.
+
+    Called as ``module(position_ids, inputs_embeds)`` it returns the new embeddings; called with position ids
+    alone it keeps the absolute contract and returns what the positions add, ``W_p p``.
+    """
+
+    def __init__(self, positions: AbsolutePositions, hidden_size: int) -> None:
+        super().__init__()
+        self.positions = positions
+        self.hidden_size = hidden_size
+        self.projection = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        with torch.no_grad():
+            identity = torch.eye(hidden_size)
+            self.projection.weight.copy_(torch.cat((identity, identity), dim=1))  # [d, 2d] = [I | I]
+
+    def forward(self, position_ids: torch.Tensor, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.projection.weight
+        if inputs_embeds is None:  # [B, L] -> [B, L, d]: the position half of the projection
+            vectors = self.positions(position_ids).to(weight.dtype)
+            return nn.functional.linear(vectors, weight[:, self.hidden_size:])
+        vectors = self.positions(position_ids).to(inputs_embeds.dtype)  # [B or 1, L, d]
+        vectors = vectors.expand(*inputs_embeds.shape[:-1], -1)  # [B, L, d]
+        widened = torch.cat((inputs_embeds, vectors), dim=-1)  # [B, L, 2d]
+        return self.projection(widened.to(weight.dtype)).to(inputs_embeds.dtype)  # [B, L, d]
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, combine='concat'"

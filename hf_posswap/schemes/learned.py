@@ -12,11 +12,13 @@ from ..errors import InvalidConfigError
 from .base import (
     FRESH_MARK,
     AbsolutePositions,
+    ConcatPositions,
     ModelSpec,
     NativeWeightsMissingWarning,
     SchemeConfig,
     register_scheme,
     require_bool,
+    require_combine,
     require_int_at_least,
 )
 
@@ -62,6 +64,9 @@ class LearnedConfig(SchemeConfig):
             the new rows are drawn from N(0, initializer_range) like a fresh table.
         keep_weights: when the model already has a learned table, start from a copy of its weights (default).
             ``False`` draws a fresh table.
+        combine: ``"add"`` (default) adds the table's vectors to the token embeddings; ``"concat"`` concatenates
+            them and projects back to the hidden size with a learned map that starts as plain addition
+            (:class:`~hf_posswap.schemes.base.ConcatPositions`), so the swapped model starts where ``"add"`` does.
     """
 
     name = "learned"
@@ -70,6 +75,7 @@ class LearnedConfig(SchemeConfig):
 
     max_positions: int | None = None
     keep_weights: bool = True
+    combine: str = "add"
 
     def validate(self) -> None:
         if self.max_positions is not None:
@@ -81,6 +87,7 @@ class LearnedConfig(SchemeConfig):
                     "length, or a scheme without a table (rope, alibi, t5)."
                 )
         require_bool("LearnedConfig", "keep_weights", self.keep_weights)
+        require_combine("LearnedConfig", self.combine)
 
     def resolve(self, spec: ModelSpec) -> LearnedConfig:
         current = spec.existing_table.shape[0] if spec.existing_table is not None else spec.max_positions
@@ -97,9 +104,9 @@ class LearnedConfig(SchemeConfig):
                 f"{spec.existing_table.shape[0]} positions; pass a value >= {spec.existing_table.shape[0]} "
                 "or keep_weights=False for a fresh table."
             )
-        return LearnedConfig(max_positions=max_positions, keep_weights=keep)
+        return LearnedConfig(max_positions=max_positions, keep_weights=keep, combine=self.combine)
 
-    def build(self, spec: ModelSpec) -> LearnedPositions:
+    def build(self, spec: ModelSpec) -> LearnedPositions | ConcatPositions:
         if self.max_positions is None:  # not resolved yet: fill model-dependent defaults first
             return self.resolve(spec).build(spec)
         weight = torch.empty(self.max_positions, spec.hidden_size, dtype=spec.dtype, device=spec.device)
@@ -115,4 +122,6 @@ class LearnedConfig(SchemeConfig):
                 )
             kept = spec.existing_table.shape[0]
             weight[:kept] = spec.existing_table.detach().to(dtype=spec.dtype, device=spec.device)
+        if self.combine == "concat":
+            return ConcatPositions(LearnedPositions(weight), spec.hidden_size).to(dtype=spec.dtype, device=spec.device)
         return LearnedPositions(weight)

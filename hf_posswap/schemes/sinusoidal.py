@@ -8,9 +8,11 @@ import torch
 
 from .base import (
     AbsolutePositions,
+    ConcatPositions,
     ModelSpec,
     SchemeConfig,
     register_scheme,
+    require_combine,
     require_frequency_base,
     require_positive,
 )
@@ -51,6 +53,9 @@ class SinusoidalConfig(SchemeConfig):
 
     Args:
         base: the wavelength base (10000 in the paper).
+        combine: ``"add"`` (default, as in the paper) or ``"concat"``: concatenated with the token embeddings and
+            projected back to the hidden size by a learned map that starts as plain addition
+            (:class:`~hf_posswap.schemes.base.ConcatPositions`).
     """
 
     name = "sinusoidal"
@@ -58,12 +63,17 @@ class SinusoidalConfig(SchemeConfig):
     paper = "Vaswani et al. 2017, Attention Is All You Need (arXiv:1706.03762)"
 
     base: float = 10_000.0
+    combine: str = "add"
 
     def validate(self) -> None:
         require_positive("SinusoidalConfig", "base", self.base)
         require_frequency_base("SinusoidalConfig", "base", self.base)
+        require_combine("SinusoidalConfig", self.combine)
 
-    def build(self, spec: ModelSpec) -> SinusoidalPositions:
+    def build(self, spec: ModelSpec) -> SinusoidalPositions | ConcatPositions:
         # vectors come out in the model's dtype: fp16/bf16 embeddings plus float32 vectors would turn the hidden
         # states float32 and break the model's half-precision layers
-        return SinusoidalPositions(spec.hidden_size, float(self.base)).to(dtype=spec.dtype)
+        vectors = SinusoidalPositions(spec.hidden_size, float(self.base)).to(dtype=spec.dtype)
+        if self.combine == "concat":
+            return ConcatPositions(vectors, spec.hidden_size).to(dtype=spec.dtype, device=spec.device)
+        return vectors
