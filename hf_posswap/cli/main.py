@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 from ..errors import InvalidConfigError, PosSwapError, one_line
 from .parser import INSPECT_LENGTH, PARSERS, UsageError
+from .recipe import given_training_options
 from .wording import in_cli_words
 
 
@@ -196,6 +197,14 @@ def _extend_command(argv: list[str]) -> int:
         raise InvalidConfigError(f"--method {args.method!r} is unknown; choose from "
                                  f"{', '.join(available_extension_methods())}.")
     options = _options(args.option)
+    given = given_training_options(args)
+    if args.train:
+        from .recipe import extend_and_train
+
+        return extend_and_train(args, options)
+    if given:
+        raise UsageError(f"{', '.join(given)} {'is an option' if len(given) == 1 else 'are options'} of training; "
+                         "add --train to fine-tune after extending (see hf-posswap extend --help)")
     return _load_change_save(args, lambda model: extend_context(model, args.to, args.method, **options))
 
 
@@ -285,7 +294,7 @@ USAGE = """usage: hf-posswap {demo,eval,export,extend,finetune,inspect,plot,sche
   demo     swap the built-in SmolLM2 checkpoint to several schemes and compare them
   eval     perplexity against length and passkey retrieval, as JSON
   swap     swap a checkpoint's position scheme and save it
-  extend   extend a checkpoint's context length and save it
+  extend   extend a checkpoint's context length and save it (--train: and fine-tune it, PoSE + LoRA)
   export   write a trust_remote_code checkpoint that loads without hf_posswap
   finetune fine-tune a model with swapped positions (accelerate; LoRA via peft)
   inspect  pictures of a position scheme (cosine distances, RoPE q.k, bias heads)
@@ -357,7 +366,7 @@ def _run(argv: list[str]) -> int:
 #: commands that load or save checkpoints through transformers (whose loading and saving bars are its own)
 _LOADING_COMMANDS = ("demo", "eval", "export", "extend", "finetune", "inspect", "swap")
 #: commands with a --no-progress flag
-_PROGRESS_COMMANDS = ("demo", "eval", "finetune")
+_PROGRESS_COMMANDS = ("demo", "eval", "extend", "finetune")
 
 
 @contextlib.contextmanager

@@ -115,8 +115,10 @@ def swap_parser() -> OneLineParser:
 
 
 def extend_parser() -> OneLineParser:
+    from .recipe import add_training_options  # no torch: --help answers at once
+
     parser = OneLineParser(prog="hf-posswap extend", description="Extend a checkpoint's context length and save it "
-                           "(with the source's tokenizer).")
+                           "(with the source's tokenizer); with --train, fine-tune it briefly first (PoSE, LoRA).")
     parser.add_argument("--model", required=True, help="checkpoint directory (a LoRA adapter is merged first)")
     parser.add_argument("--to", type=int, required=True, help="new context length in tokens")
     parser.add_argument("--method", help=f"one of {', '.join(EXTENSION_METHODS)} (default: yarn for RoPE, "
@@ -125,6 +127,9 @@ def extend_parser() -> OneLineParser:
                         help="a method option, e.g. --option beta_fast=16 (repeatable)")
     parser.add_argument("--output", required=True, help="directory to write (the --model directory with --overwrite)")
     _overwrite(parser)
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars or progress lines on stderr")
+    add_training_options(parser)
     return parser
 
 

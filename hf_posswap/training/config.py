@@ -26,7 +26,8 @@ class FinetuneConfig:
         data: text / jsonl files (globs allowed) or ``datasets`` directories saved with ``save_to_disk``.
         output: run directory: checkpoints, loss log, final model or adapter.
         scheme, scheme_options: swap to this scheme first (``None``: train the model's current positions).
-        extend_to, extend_method: extend the context first (``hf_posswap.extend_context``).
+        extend_to, extend_method, extend_options: extend the context first (``hf_posswap.extend_context``; the
+            options are the method's, e.g. ``beta_fast`` for yarn).
         objective: ``causal``, ``mlm`` or ``auto`` (causal for decoders, masked LM for BERT encoders).
         seq_len, batch_size, grad_accum, steps: sequence length, per-process batch, accumulation, optimizer steps.
         lr, lr_schedule, warmup_steps, weight_decay, max_grad_norm: AdamW and a transformers scheduler name.
@@ -51,6 +52,7 @@ class FinetuneConfig:
     scheme_options: dict[str, Any] = field(default_factory=dict)
     extend_to: int | None = None
     extend_method: str | None = None
+    extend_options: dict[str, Any] = field(default_factory=dict)
     objective: Literal["auto", "causal", "mlm"] = "auto"
     seq_len: int = 512
     batch_size: int = 4
@@ -129,6 +131,10 @@ class FinetuneConfig:
         if self.extend_method is not None and self.extend_to is None:
             raise InvalidConfigError(
                 f"extend_method={self.extend_method!r} needs extend_to (the new context length): pass --extend-to N."
+            )
+        if self.extend_options and self.extend_to is None:
+            raise InvalidConfigError(
+                f"extend_options {self.extend_options} need extend_to (the new context length): pass --extend-to N."
             )
         if self.scheme_options and self.scheme is None:
             raise InvalidConfigError(
@@ -228,6 +234,8 @@ def build_parser(prog: str = "hf-posswap finetune",
                         help="an option of the scheme, e.g. --scheme-option num_buckets=64 (repeatable)")
     parser.add_argument("--extend-to", type=int, help="extend the context to this many tokens first")
     parser.add_argument("--extend-method", help="extension method (default: yarn for RoPE, interpolate for tables)")
+    parser.add_argument("--extend-option", action="append", default=[], metavar="KEY=JSON",
+                        help="an option of the extension method, e.g. --extend-option beta_fast=16 (repeatable)")
     parser.add_argument("--objective", choices=["auto", "causal", "mlm"], default="auto",
                         help="causal (next token) or mlm (masked LM); auto: mlm for BERT encoders, else causal")
     for name, kind, default, text in NUMERIC_OPTIONS:
@@ -264,5 +272,7 @@ def parse_options(items: list[str]) -> dict[str, Any]:
 
 def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
     options = parse_options(args.scheme_option)
+    extend_options = parse_options(getattr(args, "extend_option", []))
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(FinetuneConfig) if hasattr(args, f.name)}
-    return FinetuneConfig(**{**values, "scheme_options": options, "progress": not getattr(args, "no_progress", False)})
+    return FinetuneConfig(**{**values, "scheme_options": options, "extend_options": extend_options,
+                             "progress": not getattr(args, "no_progress", False)})

@@ -167,7 +167,6 @@ def _steps(config, accelerator, output: Path, objective: str, parts: dict[str, A
            checkpoint: Path | None, progress) -> tuple[float, float | None]:
     model, optimizer, scheduler = parts["model"], parts["optimizer"], parts["scheduler"]
     train_loader, eval_loader, trainable = parts["train_loader"], parts["eval_loader"], parts["trainable"]
-    pose_generator = torch.Generator().manual_seed(config.seed + 7919 * position["step"])
     last_loss, eval_loss = float("nan"), None
     while position["step"] < config.steps:
         train_loader.set_epoch(position["epoch"])
@@ -175,7 +174,7 @@ def _steps(config, accelerator, output: Path, objective: str, parts: dict[str, A
         for batch in batches:
             position["batches_in_epoch"] += 1
             with accelerator.accumulate(model):
-                loss = _loss(model, parts["teacher"], batch, objective, config, pose_generator)
+                loss = _loss(model, parts["teacher"], batch, objective, config, _pose_generator(config, position))
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     _check_gradients(accelerator, trainable, config, position["step"] + 1, checkpoint)
@@ -203,6 +202,13 @@ def _steps(config, accelerator, output: Path, objective: str, parts: dict[str, A
             position["epoch"] += 1
             position["batches_in_epoch"] = 0
     return last_loss, eval_loss
+
+
+def _pose_generator(config: FinetuneConfig, position: dict[str, int]) -> torch.Generator:
+    """The PoSE skips of a batch drawn from (seed, epoch, batch in the epoch) alone, so a resumed run draws the same
+    position ids as one that never stopped."""
+    seed = config.seed + 1_000_003 * position["epoch"] + 7919 * position["batches_in_epoch"]
+    return torch.Generator().manual_seed(seed)
 
 
 def _check_gradients(accelerator, trainable, config: FinetuneConfig, step: int, checkpoint: Path | None) -> None:
@@ -328,7 +334,7 @@ def _start_record(config: FinetuneConfig, accelerator, output: Path, step: int, 
     """Right before training: clear a replaced run, cut the loss log back to the resumed step, record settings."""
     if accelerator.is_main_process:
         if config.overwrite_output_dir and (removed := remove_previous_run(output)):
-            say(f"--overwrite-output-dir: removed the previous run's {', '.join(removed)} in {output}.")
+            say(f"Replacing the previous run: removed its {', '.join(removed)} in {output}.")
         if config.resume:
             truncate_loss_log(output, step)
         changes = resume["changes"] if resume else {}

@@ -92,7 +92,7 @@ def prepare_positions(model: torch.nn.Module, config: FinetuneConfig) -> None:
     if config.scheme is not None:
         swap(model, config.scheme, replace=swap_state(model) is not None, **config.scheme_options)
     if config.extend_to is not None:
-        extend_context(model, config.extend_to, config.extend_method)
+        extend_context(model, config.extend_to, config.extend_method, **config.extend_options)
 
 
 def enable_checkpointing(model: torch.nn.Module) -> None:
