@@ -107,6 +107,8 @@ def scheme_inputs(
     if context.kind == "rotary":  # keys held by a KV cache are rotated once, in the cache (see rotary_cache)
         query, key = rotary_inputs(module, query, key, context)
         return query, key, attention_mask
+    if context.kind == "temperature":
+        return temperature_queries(query, context), key, attention_mask
     if context.kind != "bias":
         return query, key, attention_mask
     scheme = context.positions
@@ -135,6 +137,15 @@ def scheme_inputs(
         if not merged.requires_grad:
             context.memo[memo_key] = merged
     return query, key, merged
+
+
+def temperature_queries(query: torch.Tensor, context: PositionContext) -> torch.Tensor:
+    """q [B, H, q, D] scaled per query position by a NoPE layer's temperature (Llama 4 iRoPE, see
+    :func:`hf_posswap.schemes.mix.llama4_attn_scales`). Positions are the tokens' own (padding does not count)."""
+    positions = context.query_positions(query.shape[2], query.device)  # [q] or [B, q]
+    scales = context.positions(positions)  # float32, same shape
+    scales = scales[None, None, :, None] if scales.dim() == 1 else scales[:, None, :, None]  # [1 or B, 1, q, 1]
+    return (query * scales).to(query.dtype)
 
 
 def fused_bias_attention(
@@ -195,6 +206,8 @@ def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], fus
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         context = kwargs.pop(CONTEXT_KWARG, None)
+        if context is not None:
+            context = context.for_layer(module)  # a layer mix: this layer's part
         if _needs_self_extend(module, query, context):
             return self_extend_attention(module, query, key, value, attention_mask, context, **kwargs)
         if fused:

@@ -18,6 +18,7 @@ library (accelerate's hooks) had already wrapped ``forward`` at swap time.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,10 +29,27 @@ from torch import nn
 
 from ..errors import IncompatibleAttentionError, InvalidConfigError
 from ..families.base import FamilyAdapter, default_position_ids
-from .rotary_cache import refuse_foreign_rotation
+from .rotary_cache import MARKER, refuse_foreign_rotation, rotates_once
 
 CONTEXT_KWARG = "posswap_context"
 POSITIONS_ATTR = "posswap_positions"
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What a layer mix fixes at swap time, per layer: the kind of its part (``temperature``: a NoPE layer with
+    Llama 4's query temperature), the part's index (layers of one part share a memo), whether the part shares its
+    positions across its layers, and its Self-Extend settings."""
+
+    kinds: tuple[str, ...]
+    parts: tuple[int, ...]
+    shared: tuple[bool, ...]
+    self_extend: tuple[tuple[int, int, int] | None, ...]
+
+    @property
+    def needs_padded_positions(self) -> bool:
+        """Self-Extend and the query temperature depend on absolute positions (padding must not count)."""
+        return "temperature" in self.kinds or any(settings is not None for settings in self.self_extend)
 
 
 @dataclass
@@ -60,6 +78,42 @@ class PositionContext:
     #: the KV cache the forward was given (None: no cache, or one the model makes itself); rotary schemes store
     #: keys rotated in its layers (see :mod:`hf_posswap.core.rotary_cache`)
     cache: Any = None
+    #: a layer mix: ``positions`` is then the mix's module, and :meth:`for_layer` gives each layer its own context
+    layers: LayerPlan | None = None
+
+    def for_layer(self, module: nn.Module) -> PositionContext:
+        """The context of the layer ``module`` belongs to (a mix), with that layer's part module, kind and settings
+        and a memo shared by the layers of the same part; the context itself when the model has one scheme."""
+        if self.layers is None:
+            return self
+        index = getattr(module, "layer_idx", None)
+        memo_key = ("layer-context", index)
+        found = self.memo.get(memo_key)
+        if found is None:
+            plan = self.layers
+            if not isinstance(index, int) or not 0 <= index < len(plan.kinds):  # not a layer of the mix: no scheme
+                return dataclasses.replace(self, positions=None, kind="none", layers=None, memo={})
+            part = plan.parts[index]
+            found = dataclasses.replace(
+                self,
+                positions=self.positions(index) if self.positions is not None else None,  # called: peft's copy
+                kind=plan.kinds[index],
+                layer_shared=plan.shared[index],
+                self_extend=plan.self_extend[index],
+                memo=self.memo.setdefault(("part-memo", part), {}),
+                layers=None,
+            )
+            self.memo[memo_key] = found
+        return found
+
+    def query_positions(self, q_len: int, device: torch.device) -> torch.Tensor:
+        """Absolute positions of the queries, [q] or [B, q]: explicit position ids, else the padding-aware ones of a
+        padded batch, else cache offset + index."""
+        if self.row_positions is not None and self.row_positions.shape[-1] == q_len:
+            return self.row_positions
+        if self.padded_positions is not None and self.padded_positions.shape[-1] >= q_len:
+            return self.padded_positions[:, -q_len:]
+        return torch.arange(q_len, device=device) + self.query_offset
 
     def query_key_positions(self, q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """query positions [q] and key positions [kv] (or both [B, q] when explicit row positions are set)."""
@@ -131,8 +185,11 @@ class PositionHook:
         self_extend: tuple[int, int, int] | None = None,
         carriers: dict[str, str] | None = None,
         combine: str = "add",
+        layers: LayerPlan | None = None,
     ) -> None:
         self.adapter = adapter
+        #: a layer mix's per-layer plan (None: one scheme for every layer)
+        self.layers = layers
         #: user's attention implementation -> the one that reads the context (in-attention schemes need one)
         self.carriers = dict(carriers or {})
         self.self_extend = self_extend
@@ -153,7 +210,10 @@ class PositionHook:
         _check_position_ids(kwargs)
         cache = kwargs.get("past_key_values")
         query_offset = _cache_length(cache)
-        refuse_foreign_rotation(cache, getattr(base, POSITIONS_ATTR, None), self.kind, self.self_extend)
+        if self.layers is None:
+            refuse_foreign_rotation(cache, getattr(base, POSITIONS_ATTR, None), self.kind, self.self_extend)
+        else:
+            _refuse_foreign_rotation_per_layer(cache, getattr(base, POSITIONS_ATTR, None), self.layers)
         self.adapter.prepare_inputs(base, kwargs, query_offset)
         positions = getattr(base, POSITIONS_ATTR, None)
         if self.adds_absolute and positions is not None:
@@ -169,7 +229,8 @@ class PositionHook:
             )
             context.row_positions = _explicit_positions(kwargs, query_offset)
             context.cache = cache
-            if self.self_extend is not None:
+            context.layers = self.layers
+            if self.self_extend is not None or (self.layers is not None and self.layers.needs_padded_positions):
                 context.padded_positions = _padded_positions(kwargs.get("attention_mask"))
             kwargs[CONTEXT_KWARG] = context
         return (), kwargs
@@ -205,6 +266,24 @@ class PositionHook:
             kwargs["inputs_embeds"] = positions(position_ids, embeds)
             return
         kwargs["inputs_embeds"] = embeds + positions(position_ids).to(embeds.dtype)
+
+
+def _refuse_foreign_rotation_per_layer(cache: Any, positions: nn.Module | None, plan: LayerPlan) -> None:
+    """A mix's check of a cache: a layer whose part needs unrotated keys refuses keys stored rotated in its slot
+    (a length-independent RoPE part checks the rotation itself, in :mod:`~hf_posswap.core.rotary_cache`)."""
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None) or []
+    for index, layer in enumerate(layers[: len(plan.kinds)]):
+        marker = getattr(layer, MARKER, None)
+        if marker is None or min(marker.count, int(getattr(layer, "get_seq_length", lambda: 0)())) <= 0:
+            continue
+        part = positions(index) if positions is not None else None
+        if plan.kinds[index] == "rotary" and rotates_once(part, plan.self_extend[index]):
+            continue
+        raise InvalidConfigError(
+            f"past_key_values holds keys that a model with RoPE inside attention stored rotated (layer {index}), and "
+            f"this model's layer {index} ('{plan.kinds[index]}' part of a layer mix) needs them unrotated. Continue "
+            "the cache with the model that filled it, or start a new one (past_key_values=None)."
+        )
 
 
 class PositionForward:

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from ..families.base import FAMILY_REGISTRY
+from .mix import describe_layers
 from .native import check_loaded, unwrap_peft
 from .state import swap_state
 
@@ -25,12 +26,17 @@ class PositionDescription:
     where: list[str] = field(default_factory=list)
     new_parameters: list[tuple[str, tuple[int, ...], bool]] = field(default_factory=list)
     context: dict[str, Any] | None = None
+    #: a layer mix: each part (name and settings) -> its layers
+    layers: dict[str, list[int]] | None = None
 
     def __str__(self) -> str:
         lines = [f"{self.model_class} (family: {self.family or 'unsupported'})", f"  scheme: {self.scheme}"]
         if self.settings:
             settings = ", ".join(f"{key}={value!r}" for key, value in self.settings.items())
             lines.append(f"  settings: {settings}")
+        if self.layers:
+            lines.append("  layers:")
+            lines += [f"    - {part}: {', '.join(map(str, layers))}" for part, layers in self.layers.items()]
         lines.append(f"  expressed natively by transformers: {'yes' if self.native else 'no'}")
         if self.context:
             lines.append(
@@ -79,6 +85,9 @@ def describe(model: nn.Module) -> PositionDescription:
             attn,
         )
     settings = {key: value for key, value in state.config.to_dict().items() if key != "scheme"}
+    layers = describe_layers(state.config, model.config.num_hidden_layers)
+    if layers is not None:  # a layer mix: its parts are listed per layer; its own settings are the temperature's
+        settings = {key: value for key, value in settings.items() if key not in ("default", "overrides")}
     return PositionDescription(
         model_class=type(model).__name__,
         family=state.family,
@@ -89,6 +98,7 @@ def describe(model: nn.Module) -> PositionDescription:
         where=[edit.where for edit in state.edits if edit.where],
         new_parameters=list(state.new_parameters),
         context=_context(state),
+        layers=layers,
     )
 
 

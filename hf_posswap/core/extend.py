@@ -26,9 +26,11 @@ from ..families.base import FamilyAdapter, get_family
 from ..schemes.base import NativeWeightsMissingWarning, SchemeConfig
 from ..schemes.learned import LearnedConfig
 from ..schemes.rope import RopeConfig
+from ..schemes.mix import LayerMix
 from ..schemes.rope_scaling import SCALING_REGISTRY
 from .context import POSITIONS_ATTR
 from .native import check_loaded, install_native_restorers, unwrap_peft
+from .mix import scale_rope_parts
 from .state import CONFIG_RECORD, SwapState, swap_state
 from .swap import swap
 
@@ -83,8 +85,9 @@ def extend_context(model: nn.Module, max_positions: int, method: str | None = No
         )
     new_config, fill_table = plan
     record = {"method": method, "original_max_position_embeddings": original, "max_position_embeddings": max_positions}
-    if isinstance(new_config, RopeConfig) and new_config.scaling is not None:
-        record["scaling"] = new_config.scaling.to_dict()
+    rope = new_config.rope_parts()[0] if isinstance(new_config, LayerMix) and new_config.rope_parts() else new_config
+    if isinstance(rope, RopeConfig) and rope.scaling is not None:
+        record["scaling"] = rope.scaling.to_dict()
     if new_config is not None:  # lift keeps the installed modules (and their trained weights) as they are
         _reswap(model, new_config, replace=state is not None)
     if fill_table is not None:
@@ -129,7 +132,7 @@ def _lengths(model: nn.Module, state: SwapState | None) -> tuple[int, int]:
 
 
 def _default_method(scheme: SchemeConfig | None) -> str:
-    if isinstance(scheme, RopeConfig):
+    if isinstance(scheme, RopeConfig) or (isinstance(scheme, LayerMix) and scheme.rope_parts()):
         return "yarn"
     if isinstance(scheme, LearnedConfig):
         return "interpolate"
@@ -143,6 +146,10 @@ def _rope_plan(
     model: nn.Module, scheme: SchemeConfig | None, method: str, original: int, max_positions: int, options: dict
 ) -> tuple[SchemeConfig, None]:
     if not isinstance(scheme, RopeConfig):
+    if isinstance(scheme, LayerMix) and scheme.rope_parts():  # a layer mix: only its RoPE layers are scaled
+        scaled, _ = _rope_plan(model, scheme.rope_parts()[0], method, original, max_positions, options)
+        scaling = scaled.scaling  # type: ignore[attr-defined]
+        return scale_rope_parts(scheme, lambda part: dataclasses.replace(part, scaling=scaling)), None
         carried = scheme.name if scheme is not None else "no position scheme"
         raise InvalidConfigError(
             f"RoPE scaling '{method}' needs a model with RoPE, and this {type(model).__name__} carries "
@@ -223,8 +230,9 @@ def _learned_table(model: nn.Module, adapter: FamilyAdapter) -> nn.Module:
 
 def _lift_plan(scheme: SchemeConfig | None, method: str, options: dict) -> tuple[None, None]:
     """Nothing to rebuild: the scheme's modules (and trained T5 tables or ALiBi slopes) stay; only lengths change."""
-    if isinstance(scheme, (RopeConfig, LearnedConfig)) or scheme is None:
-        kind = "RoPE" if isinstance(scheme, RopeConfig) else "a learned table"
+    has_rope = isinstance(scheme, RopeConfig) or (isinstance(scheme, LayerMix) and bool(scheme.rope_parts()))
+    if has_rope or isinstance(scheme, LearnedConfig) or scheme is None:
+        kind = "RoPE" if has_rope else "a learned table"
         raise InvalidConfigError(
             f"'lift' only records a longer length for schemes without a limit (alibi, t5, none, sinusoidal); this "
             f"model has {kind}. Use {'a RoPE scaling such as yarn' if kind == 'RoPE' else 'interpolate or copy'}."

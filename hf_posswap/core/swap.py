@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -25,10 +26,12 @@ from ..edits import (
 from ..errors import AlreadySwappedError, IncompatibleAttentionError, InvalidOptionError, NotSwappedError
 from ..families.base import FamilyAdapter, get_family
 from ..schemes.base import SCHEME_REGISTRY, ModelSpec, NativeWeightsMissingWarning, SchemeConfig
+from ..schemes.mix import LayerMix
 from ..schemes.rope import RopeConfig
 from ..schemes.rope_scaling import SelfExtend
 from .attention import CARRIERS
 from .context import POSITIONS_ATTR, PositionForward, PositionHook
+from .mix import layer_plan, mix_on_layers
 from .native import check_loaded, install_native_restorers, unwrap_peft
 from .state import (
     CONFIG_RECORD,
@@ -65,13 +68,23 @@ def resolve_scheme(scheme: str | SchemeConfig, options: dict[str, Any]) -> Schem
     )
 
 
-def swap(model: nn.Module, scheme: str | SchemeConfig, *, replace: bool = False, **options: Any) -> nn.Module:
+def swap(
+    model: nn.Module,
+    scheme: str | SchemeConfig,
+    *,
+    replace: bool = False,
+    layers: Sequence[int] | None = None,
+    **options: Any,
+) -> nn.Module:
     """Replace the position mechanism of ``model`` in place and return the same model object.
 
     Args:
         model: a transformers model of a supported family (``supported_families()``).
-        scheme: a registered scheme name (``available_schemes()``) or a config such as ``RopeConfig(...)``.
+        scheme: a registered scheme name (``available_schemes()``) or a config such as ``RopeConfig(...)``; a
+            ``LayerMix`` gives each layer its own scheme.
         replace: when the model is already swapped, undo that swap first instead of raising.
+        layers: only these layers get ``scheme``; the others keep the model's own RoPE (LLaMA-like models). The
+            same as ``LayerMix(default=<native RoPE>, overrides=[(scheme, layers)])``.
         **options: fields of the scheme's config (``swap(model, "t5", num_buckets=64)``).
 
     Raises:
@@ -82,6 +95,10 @@ def swap(model: nn.Module, scheme: str | SchemeConfig, *, replace: bool = False,
     adapter = get_family(model)
     check_loaded(model)
     config = resolve_scheme(scheme, options)
+    if layers is not None:
+        config = mix_on_layers(model, adapter, config, layers)
+    if isinstance(config, LayerMix):
+        config.check_layers(adapter.spec(model).num_layers)  # before unswapping an earlier swap
     previous: SwapState | None = getattr(model, STATE_ATTR, None)
     if previous is not None and not replace:
         raise AlreadySwappedError(
@@ -157,6 +174,8 @@ def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: 
         if native_edits is not None:
             return [*native_edits, record_edit], True
 
+    if isinstance(config, LayerMix):
+        return [*_mix_edits(model, adapter, config, spec), record_edit, _config_class_edit(model.config)], False
     base = adapter.base_model(model)
     in_attention = config.kind in ("rotary", "bias")
     if in_attention:
@@ -200,13 +219,36 @@ def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: 
     return edits, False
 
 
+def _mix_edits(model: nn.Module, adapter: FamilyAdapter, config: LayerMix, spec: ModelSpec) -> list[Edit]:
+    """A layer mix: the family's positions removed, the mix's modules installed, every layer through the carriers
+    with a per-layer plan (see :mod:`hf_posswap.core.mix`)."""
+    _check_attention(model, config)
+    plan = layer_plan(config, spec, _self_extend_settings)
+    module = config.build(spec).to(device=spec.device)
+    base = adapter.base_model(model)
+    where = f"{POSITIONS_ATTR} <- {_short(module)} (layers per scheme: see 'layers' above)"
+    hook = PositionHook(adapter, "mix", adds_absolute=False, feeds_attention=True, layer_shared=False,
+                        carriers=CARRIERS, layers=plan)
+    return [
+        *adapter.removal_edits(model, spec),
+        SetAttribute(base, POSITIONS_ATTR, lambda: module, where=where),
+        SetAttentionImplementation(model, CARRIERS[model.config._attn_implementation]),
+        WrapForward(
+            base,
+            lambda previous: PositionForward(base, hook, previous),
+            where=f"{type(base).__name__}.forward wrapped (position context for every call path)",
+        ),
+    ]
+
+
 def _config_class_edit(config: Any) -> Edit:
     """Non-native swaps save as model_type ``hf_posswap_<type>`` (see ``hf_posswap.autoload``)."""
     base_class = getattr(type(config), "posswap_base_config_class", type(config))
     return SetConfigClass(config, posswap_config_class(base_class), base_class)
 
 
-def _self_extend_settings(config: SchemeConfig) -> tuple[int, int, int] | None:
+def _self_extend_settings(config: SchemeConfig) -> tuple | None:
+    """Two-pass attention settings (``TwoPassSettings``) of Self-Extend and ReRoPE (a SelfExtend subclass)."""
     scaling = getattr(config, "scaling", None)
     if not isinstance(scaling, SelfExtend):
         return None

@@ -10,6 +10,7 @@ from .t5 import T5BiasConfig, T5RelativeBias, relative_position_bucket
 from .kerple import KerpleBias, KerpleConfig
 from .sandwich import SandwichBias, SandwichConfig
 from .fire import FireBias, FireConfig
+from .mix import LayerMix, MixPositions
 
 # isort: on
 
@@ -35,8 +36,10 @@ __all__ = [
     "FireConfig",
     "KerpleBias",
     "KerpleConfig",
+    "LayerMix",
     "LearnedConfig",
     "LearnedPositions",
+    "MixPositions",
     "ModelSpec",
     "NoPEConfig",
     "NoPositions",

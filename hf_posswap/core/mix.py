@@ -1,0 +1,94 @@
+"""Runtime glue of a layer mix (:class:`~hf_posswap.schemes.mix.LayerMix`): the per-layer plan the position hook
+hands to attention, the ``swap(model, scheme, layers=[...])`` shorthand, and the RoPE parts ``extend_context``
+scales.
+
+Every layer of a mixed model goes through hf_posswap's attention carriers; the family's own position mechanism
+is removed (LLaMA's ``rotary_emb`` becomes an exact no-op and its RoPE layers rotate inside attention), so one
+machinery places every part. The per-layer context (:meth:`PositionContext.for_layer`) gives each layer its
+part's module, kind and a memo shared by the layers of that part, so the rotary, bias, fused and Self-Extend
+paths run per layer unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from ..errors import InvalidConfigError
+from ..families.base import FamilyAdapter
+from ..schemes.base import ModelSpec, SchemeConfig
+from ..schemes.mix import LayerMix
+from ..schemes.rope import RopeConfig
+from .context import LayerPlan
+
+
+def layer_plan(
+    config: LayerMix, spec: ModelSpec, self_extend: Callable[[SchemeConfig], tuple[int, int, int] | None]
+) -> LayerPlan:
+    """The per-layer facts of a (resolved) mix: kind, part index, shared positions, Self-Extend settings."""
+    parts = config.parts(spec.num_layers)
+    part_of = [0] * spec.num_layers
+    for index, (_, layers) in enumerate(parts):
+        for layer in layers:
+            part_of[layer] = index
+    schemes = config.layer_schemes(spec.num_layers)
+    return LayerPlan(
+        kinds=tuple(config.layer_kinds(spec.num_layers)),
+        parts=tuple(part_of),
+        shared=tuple(scheme.layer_shared for scheme in schemes),
+        self_extend=tuple(self_extend(scheme) for scheme in schemes),
+    )
+
+
+def native_part(model: nn.Module, adapter: FamilyAdapter) -> SchemeConfig:
+    """The scheme the model's own layers have, as a part of a mix (``swap(model, scheme, layers=...)`` keeps it on
+    the other layers): LLaMA-like models' RoPE from ``config.rope_parameters``."""
+    if adapter.rotary_module_path is None:
+        raise InvalidConfigError(
+            f"swap(model, ..., layers=[...]) keeps the model's own positions on the other layers, and "
+            f"{type(model).__name__}'s are {adapter.native_positions}: absolute vectors added once to the embeddings, "
+            "not a per-layer mechanism. Say what the other layers get: hf_posswap.swap(model, "
+            "hf_posswap.LayerMix(default='rope', overrides={'none': [...]}))."
+        )
+    rope = dict(getattr(model.config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise InvalidConfigError(
+            f"swap(model, ..., layers=[...]) keeps the model's own RoPE on the other layers, and this model's "
+            f"rope_parameters {rope} have a scaling hf_posswap cannot rebuild per layer from the config alone. Give "
+            "the default explicitly: hf_posswap.LayerMix(default=hf_posswap.RopeConfig(scaling=...), "
+            "overrides=...)."
+        )
+    return RopeConfig(rope_theta=rope.get("rope_theta"))
+
+
+def mix_on_layers(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, layers: Sequence[int]) -> LayerMix:
+    """``swap(model, config, layers=layers)``: ``config`` on those layers, the model's own positions elsewhere."""
+    if isinstance(config, LayerMix):
+        raise InvalidConfigError(
+            "swap(model, LayerMix(...), layers=[...]) nests a mix in a mix; a LayerMix already says which layers "
+            "get which scheme. Leave out layers=."
+        )
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise InvalidConfigError(f"layers= must be a list of layer indices such as [3, 7, 11], got {layers!r}.")
+    return LayerMix(default=native_part(model, adapter), overrides=[(config, list(layers))])
+
+
+def scale_rope_parts(config: LayerMix, change: Callable[[RopeConfig], RopeConfig]) -> LayerMix:
+    """The mix with ``change`` applied to its RoPE parts only (``extend_context``); other parts stay."""
+    return config.replace_parts(lambda part: change(part) if isinstance(part, RopeConfig) else part)
+
+
+def describe_layers(config: Any, num_layers: int) -> dict[str, list[int]] | None:
+    """``{"rope(rope_theta=10000.0)": [0, 1, 2], "none": [3]}`` for a mix; None for one scheme."""
+    if not isinstance(config, LayerMix):
+        return None
+    described: dict[str, list[int]] = {}
+    for part, layers in config.parts(num_layers):
+        settings = {key: value for key, value in part.to_dict().items() if key != "scheme" and value is not None}
+        label = part.name + (f"({', '.join(f'{k}={v!r}' for k, v in settings.items())})" if settings else "")
+        if part.kind == "none" and config.attn_temperature_tuning:
+            label += f" + attention temperature (floor_scale={config.floor_scale}, attn_scale={config.attn_scale})"
+        described.setdefault(label, []).extend(layers)
+    return described
