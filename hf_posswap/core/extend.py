@@ -25,12 +25,12 @@ from ..errors import InvalidConfigError, InvalidOptionError
 from ..families.base import FamilyAdapter, get_family
 from ..schemes.base import NativeWeightsMissingWarning, SchemeConfig
 from ..schemes.learned import LearnedConfig
-from ..schemes.rope import RopeConfig
 from ..schemes.mix import LayerMix
+from ..schemes.rope import RopeConfig
 from ..schemes.rope_scaling import SCALING_REGISTRY
 from .context import POSITIONS_ATTR
-from .native import check_loaded, install_native_restorers, unwrap_peft
 from .mix import scale_rope_parts
+from .native import check_loaded, install_native_restorers, unwrap_peft
 from .state import CONFIG_RECORD, SwapState, swap_state
 from .swap import swap
 
@@ -145,11 +145,11 @@ def _default_method(scheme: SchemeConfig | None) -> str:
 def _rope_plan(
     model: nn.Module, scheme: SchemeConfig | None, method: str, original: int, max_positions: int, options: dict
 ) -> tuple[SchemeConfig, None]:
-    if not isinstance(scheme, RopeConfig):
     if isinstance(scheme, LayerMix) and scheme.rope_parts():  # a layer mix: only its RoPE layers are scaled
         scaled, _ = _rope_plan(model, scheme.rope_parts()[0], method, original, max_positions, options)
         scaling = scaled.scaling  # type: ignore[attr-defined]
         return scale_rope_parts(scheme, lambda part: dataclasses.replace(part, scaling=scaling)), None
+    if not isinstance(scheme, RopeConfig):
         carried = scheme.name if scheme is not None else "no position scheme"
         raise InvalidConfigError(
             f"RoPE scaling '{method}' needs a model with RoPE, and this {type(model).__name__} carries "

@@ -247,8 +247,7 @@ def _config_class_edit(config: Any) -> Edit:
     return SetConfigClass(config, posswap_config_class(base_class), base_class)
 
 
-def _self_extend_settings(config: SchemeConfig) -> tuple | None:
-    """Two-pass attention settings (``TwoPassSettings``) of Self-Extend and ReRoPE (a SelfExtend subclass)."""
+def _self_extend_settings(config: SchemeConfig) -> tuple[int, int, int] | None:
     scaling = getattr(config, "scaling", None)
     if not isinstance(scaling, SelfExtend):
         return None
