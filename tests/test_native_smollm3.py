@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_config
+from conftest import VOCAB, make_model, tiny_config
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
 
 import hf_posswap as ps
@@ -87,9 +87,9 @@ MIXES = {
 # -- the facts the conversion rests on, checked against transformers' own modelling code -----------------------------
 
 
-@pytest.mark.parametrize("overrides", [{}, {"head_dim": 32}, {"attention_bias": True, "mlp_bias": True},
-                                       {"tie_word_embeddings": True}],
-                         ids=["plain", "head-dim-32", "attention-and-mlp-bias", "tied-embeddings"])
+@pytest.mark.parametrize("overrides", [{}, *(pytest.param(o, marks=pytest.mark.slow) for o in (
+    {"head_dim": 32}, {"attention_bias": True, "mlp_bias": True}, {"tie_word_embeddings": True}))],
+    ids=["plain", "head-dim-32", "attention-and-mlp-bias", "tied-embeddings"])
 def test_smollm3_with_rope_everywhere_is_llama(overrides) -> None:
     llama = tiny_llama(**overrides)
     smol = smollm3_copy(llama, [1] * LAYERS)
@@ -108,7 +108,8 @@ def test_no_rope_layers_means_one_for_rope_indexed_by_layer() -> None:
 # -- save_native -----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("mix", [m if m == "smollm3-preset" else pytest.param(m, marks=pytest.mark.slow)
+                                 for m in MIXES])
 def test_rope_and_nope_layers_save_as_smollm3_with_the_same_logits(tmp_path: Path, mix: str) -> None:
     make, nope = MIXES[mix]
     model = make(tiny_llama())
@@ -122,6 +123,7 @@ def test_rope_and_nope_layers_save_as_smollm3_with_the_same_logits(tmp_path: Pat
     torch.testing.assert_close(logits(reloaded, INPUT), logits(reference, INPUT), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_smollm3_preset_is_transformers_own_default_layout(tmp_path: Path) -> None:
     model = ps.swap(tiny_llama(num_hidden_layers=8), ps.smollm3_nope(8))
     save_native(model, tmp_path / "native")
@@ -139,8 +141,13 @@ def test_extended_rope_layers_save_as_smollm3_rope_parameters(tmp_path: Path, me
     expected_type = "default" if method == "ntk" else method  # static NTK is a larger rope_theta
     assert reloaded.config.rope_parameters["rope_type"] == expected_type
     torch.testing.assert_close(logits(reloaded, LONG), logits(model, LONG), rtol=0, atol=1e-5)
+    reference = tiny_llama(rope_parameters=reloaded.config.rope_parameters,
+                           max_position_embeddings=reloaded.config.max_position_embeddings)
+    hook_nope(reference, [3])  # transformers' LLaMA with that scaling, its layer 3 without RoPE
+    torch.testing.assert_close(logits(reloaded, LONG), logits(reference, LONG), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_save_native_keeps_what_save_pretrained_writes_natively(tmp_path: Path) -> None:
     model = ps.swap(tiny_llama(), ps.RopeConfig(scaling=ps.YarnScaling(factor=2.0)))
     save_native(model, tmp_path / "rope")
@@ -150,22 +157,26 @@ def test_save_native_keeps_what_save_pretrained_writes_natively(tmp_path: Path) 
 
 
 @pytest.mark.parametrize(("model_type", "scheme", "message"), [
-    ("llama", "alibi", r"layer 0: 'alibi'"),
-    ("llama", ps.RopeConfig(partial_rotary_factor=0.5), r"partial RoPE \(partial_rotary_factor=0.5\)"),
+    ("llama", "alibi", r"'alibi' on layers \[0, 1, 2, 3\]"),
+    ("llama", ps.RopeConfig(partial_rotary_factor=0.5),
+     r"partial RoPE \(partial_rotary_factor=0.5\) on layers \[0, 1, 2, 3\]"),
     ("llama", ps.RopeConfig(scaling=ps.SelfExtend(group_size=4, neighbor_window=8)), "Self-Extend"),
-    ("llama", ps.LayerMix(default="rope", overrides={"alibi": [0]}), r"layer 0: 'alibi'"),
+    ("llama", ps.LayerMix(default="rope", overrides={"alibi": [0, 2]}), r"has 'alibi' on layers \[0, 2\]\. "),
     ("llama", ps.LayerMix(default="rope", overrides={"none": [3]}, attn_temperature_tuning=True),
-     r"layer 3: NoPE with Llama 4's attention temperature"),
+     r"NoPE with Llama 4's attention temperature on layers \[3\]"),
     ("llama", ps.LayerMix(default="rope", overrides=[(ps.RopeConfig(rope_theta=5e5), [2])]),
      r"one rope_parameters for all RoPE layers; this model's RoPE layers use 2"),
     ("qwen2", "none", r"'qwen2' \(biases on q/k/v but not on the output projection\)"),
     ("qwen3", "none", r"'qwen3' \(RMSNorm on queries and keys\)"),
+    ("gpt2", "alibi", r"Only LLaMA \('llama'\) models convert to smollm3.*this model is 'gpt2'"),
 ], ids=["alibi", "partial-rope", "self-extend", "mix-with-alibi", "irope-temperature", "two-ropes", "qwen2",
-        "qwen3"])
+        "qwen3", "gpt2"])
 def test_what_smollm3_cannot_express_is_refused_and_nothing_is_written(tmp_path: Path, model_type, scheme,
                                                                         message) -> None:
     if model_type == "llama":
         model = tiny_llama()
+    elif model_type == "gpt2":
+        model = make_model("gpt2")
     else:
         config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -177,6 +188,7 @@ def test_what_smollm3_cannot_express_is_refused_and_nothing_is_written(tmp_path:
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_peft_model_is_refused_with_the_fix(tmp_path: Path) -> None:
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
@@ -200,6 +212,7 @@ def test_a_conversion_that_changes_the_logits_is_refused(tmp_path: Path, monkeyp
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_save_pretrained_keeps_the_hf_posswap_format(tmp_path: Path) -> None:
     """The design choice: only save_native converts. save_pretrained keeps what reloads as the swapped LLaMA (unswap,
     describe and extend_context still work); the smollm3 checkpoint reloads as a different class with no swap."""

@@ -106,14 +106,17 @@ def no_rope_layers(model: nn.Module) -> tuple[list[int], dict[str, Any]]:
     spec = get_family(model).spec(model)
     parts = _layer_parts(state.config, spec.num_layers)
     rope_parts = {i: part for i, part in enumerate(parts) if isinstance(part, RopeConfig)}
-    blocked = [f"layer {i}: {_describe(part)}" for i, part in enumerate(parts) if not _expressible(part)]
-    if getattr(state.config, "attn_temperature_tuning", False):  # Llama 4 iRoPE: NoPE layers scale their queries
-        blocked += [f"layer {i}: NoPE with Llama 4's attention temperature" for i, part in enumerate(parts)
-                    if type(part) is NoPEConfig]
+    tuned = bool(getattr(state.config, "attn_temperature_tuning", False))  # Llama 4 iRoPE: NoPE layers scale queries
+    blocked: dict[str, list[int]] = {}
+    for i, part in enumerate(parts):
+        if not _expressible(part) or (tuned and type(part) is NoPEConfig):
+            label = "NoPE with Llama 4's attention temperature" if _expressible(part) else _describe(part)
+            blocked.setdefault(label, []).append(i)
     if blocked:
+        found = "; ".join(f"{label} on layers {layers}" for label, layers in blocked.items())
         raise NotNativeError(
             f"transformers' {TARGET} expresses layers with the model's own RoPE (any native rope_type, whole heads) "
-            f"or with no positions (NoPE without temperature); this model has {'; '.join(blocked)}. {_INSTEAD}"
+            f"or with no positions (NoPE without temperature); this model has {found}. {_INSTEAD}"
         )
     settings = {json_key(part.rope_parameters(spec.head_dim)) for part in rope_parts.values()}
     if len(settings) > 1:
@@ -154,8 +157,7 @@ def _describe(part: SchemeConfig) -> str:
         return f"partial RoPE (partial_rotary_factor={part.partial_rotary_factor})"
     if type(part) is RopeConfig:
         return "RoPE with Self-Extend's grouped positions"
-    fields = {key: value for key, value in part.to_dict().items() if key != "scheme"}
-    return f"'{part.name}'" + (f" {fields}" if fields else "")
+    return f"'{part.name}'"
 
 
 def smollm3_config(model: nn.Module) -> Any:
@@ -172,7 +174,8 @@ def smollm3_config(model: nn.Module) -> Any:
             f"'{family}' ({_FAMILY_GAPS.get(str(family), 'a different layout')}). {_INSTEAD}"
         )
     flags, rope_parameters = no_rope_layers(model)
-    data = {key: value for key, value in model.config.to_dict().items() if key not in _DROPPED}
+    data = {key: value for key, value in model.config.to_dict().items()
+            if key not in _DROPPED and not key.startswith("posswap")}
     data.update(no_rope_layers=flags, rope_parameters=rope_parameters, use_sliding_window=False)
     return SmolLM3Config.from_dict(data)
 
