@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from .families import FamilyAdapter, register_family
     from .persistence.adapters import load_adapter, lora_config, save_adapter, trainable_position_modules
     from .persistence.export import export_standalone
+    from .persistence.native_smollm3 import save_native
     from .schemes import (
         AlibiConfig,
         FireConfig,
@@ -83,12 +84,13 @@ _EXPORTS = {
                     "schemes"),
     **dict.fromkeys(("DynamicNTKScaling", "LinearScaling", "Llama3Scaling", "LongRopeScaling", "NTKScaling",
                      "RopeScaling", "SelfExtend", "YarnScaling"), "schemes.rope_scaling"),
-    # imported on first use in every process: peft's helpers and the standalone export
+    # imported on first use in every process: peft's helpers, the standalone export and save_native
     **dict.fromkeys(("load_adapter", "lora_config", "save_adapter", "trainable_position_modules"),
                     "persistence.adapters"),
     "export_standalone": "persistence.export",
+    "save_native": "persistence.native_smollm3",
 }
-_ON_FIRST_USE = ("persistence.adapters", "persistence.export")
+_ON_FIRST_USE = ("persistence.adapters", "persistence.export", "persistence.native_smollm3")
 #: the names pip gives the ``hf-posswap`` console script (POSIX; Windows launcher and its script)
 _CONSOLE_SCRIPTS = ("hf-posswap", "hf-posswap.exe", "hf-posswap-script.py")
 #: the ``-m`` targets that are the command line
@@ -137,6 +139,7 @@ __all__ = [
     "register_family",
     "register_scheme",
     "save_adapter",
+    "save_native",
     "smollm3_nope",
     "supported_families",
     "swap",
