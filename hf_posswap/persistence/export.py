@@ -26,7 +26,8 @@ BUNDLED = (
     "schemes/nope", "schemes/rope", "schemes/fused_alibi", "schemes/alibi", "schemes/fused_t5", "schemes/t5",
     "schemes/kerple", "schemes/sandwich", "schemes/fire", "schemes/mix", "families/base", "families/gpt2",
     "families/bert", "families/llama", "core/state", "core/native", "core/rotary_cache", "core/context",
-    "core/self_extend", "core/attention", "core/mix", "core/swap", "core/extend", "persistence/autoload", "persistence/restore",
+    "core/self_extend", "core/attention", "core/mix", "core/swap", "core/extend", "persistence/autoload",
+    "persistence/restore",
 )
 _RELATIVE_IMPORT = re.compile(r"^[ \t]*from \.+[\w.]* import (\([^)]*\)|[^\n]*)\n", re.MULTILINE)
 _FUTURE = "from __future__ import annotations\n"
