@@ -12,10 +12,18 @@ import torch
 from transformers import (
     BertConfig,
     BertForMaskedLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    RobertaConfig,
+    RobertaForMaskedLM,
 )
 
 import hf_posswap as ps
@@ -23,8 +31,8 @@ from hf_posswap.evaluation import BYTE_VOCAB_SIZE, byte_tokenizer
 
 VOCAB = 96
 MAX_POSITIONS = 64
-FAMILIES = ["gpt2", "bert", "llama"]
-CAUSAL_FAMILIES = ["gpt2", "llama"]
+FAMILIES = ["gpt2", "bert", "llama", "gemma3_text", "phi3", "gpt_neox", "roberta"]
+CAUSAL_FAMILIES = ["gpt2", "llama", "gemma3_text", "phi3", "gpt_neox"]
 SCHEMES = ps.available_schemes()
 
 
@@ -46,10 +54,41 @@ def tiny_config(family: str):
             intermediate_size=128, max_position_embeddings=MAX_POSITIONS, rope_theta=10_000.0,
             pad_token_id=0, bos_token_id=1, eos_token_id=2,
         )
+    if family == "gemma3_text":  # one local (sliding, θ 1e4) and one global (θ 1e6) layer, as Gemma 3 mixes them
+        return Gemma3TextConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, intermediate_size=128, max_position_embeddings=MAX_POSITIONS, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                             "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}},
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )
+    if family == "phi3":  # half of each head rotated
+        return Phi3Config(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, max_position_embeddings=MAX_POSITIONS,
+            original_max_position_embeddings=MAX_POSITIONS,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
+            resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=None,
+        )
+    if family == "gpt_neox":  # Pythia's layout: a quarter of each head rotated, parallel residual
+        return GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=MAX_POSITIONS, rotary_pct=0.25, use_parallel_residual=True,
+            hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )
+    if family == "roberta":  # RoBERTa's numbering: positions start at pad_token_id + 1 = 2, table 2 rows longer
+        return RobertaConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=MAX_POSITIONS + 2, type_vocab_size=1, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        )
     raise ValueError(family)
 
 
-MODEL_CLASSES = {"gpt2": GPT2LMHeadModel, "bert": BertForMaskedLM, "llama": LlamaForCausalLM}
+MODEL_CLASSES = {"gpt2": GPT2LMHeadModel, "bert": BertForMaskedLM, "llama": LlamaForCausalLM,
+                 "gemma3_text": Gemma3ForCausalLM, "phi3": Phi3ForCausalLM, "gpt_neox": GPTNeoXForCausalLM,
+                 "roberta": RobertaForMaskedLM}
 
 
 def make_model(family: str, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
@@ -138,8 +177,9 @@ def write_corpus(directory, documents: int = 40) -> list[str]:
 # here: the default run keeps the ids below (together every family, every scheme and both RoPE placements), the
 # others are marked slow, so a broken area still fails in the fast run and the full matrix runs in CI.
 DIAGONAL = {"gpt2-learned", "gpt2-rope", "bert-alibi", "bert-sinusoidal", "llama-t5", "llama-none"}
+NEW_FAMILIES = {"gemma3_text-alibi", "phi3-t5", "gpt_neox-rope", "roberta-learned"}  # one id per added family
 FAST_SUBSET = {
-    "test_matrix.py::test_forward_backward": DIAGONAL,
+    "test_matrix.py::test_forward_backward": DIAGONAL | NEW_FAMILIES,
     "test_matrix.py::test_eager_matches_sdpa": {"gpt2-rope", "bert-alibi", "llama-t5", "llama-kerple", "bert-sandwich",
                                                 "gpt2-fire"},
     "test_matrix.py::test_cached_generation_equals_recompute": {"sdpa-gpt2-rope", "eager-llama-t5"},
@@ -158,7 +198,7 @@ FAST_SUBSET = {
     "test_call_paths.py::test_swap_and_unswap_through_a_peft_wrapper": {"gpt2"},
     "test_call_paths.py::test_peft_wrapped_model_runs_the_scheme_on_every_path": {"t5"},
     "test_call_paths.py::test_self_extend_with_explicit_position_ids": {"llama"},
-    "test_identity.py::test_unswap_restores_exactly": DIAGONAL,
+    "test_identity.py::test_unswap_restores_exactly": DIAGONAL | NEW_FAMILIES,
     "test_checkpoints.py::test_round_trip_through_auto_classes": DIAGONAL,
     "test_checkpoints.py::test_extended_models_round_trip": {"gpt2-rope-256-yarn", "bert-learned-160-interpolate",
                                                              "llama-t5-300-lift"},

@@ -6,6 +6,7 @@ which attention modules are self-attention, head counts and dims, and input fix-
 
 from __future__ import annotations
 
+import copy
 from typing import Any, ClassVar
 
 import torch
@@ -16,6 +17,7 @@ from ..errors import UnsupportedFamilyError
 from ..registry import Registry
 from ..schemes.base import ModelSpec, NoPositions
 from ..schemes.rope import RopeConfig
+from ..schemes.rope_scaling import SelfExtend
 
 
 class FamilyAdapter:
@@ -138,8 +140,10 @@ class IdentityRotary(nn.Module):
         super().__init__()
         self.head_dim = head_dim
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # position_ids [B, L] -> cos, sin [B, L, head_dim]
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # position_ids [B, L] -> cos, sin [B, L, head_dim]; ``layer_type``: Gemma 3 asks per layer type (same answer)
         shape = (*position_ids.shape, self.head_dim)
         cos = torch.ones(shape, dtype=x.dtype, device=x.device)
         return cos, torch.zeros_like(cos)
@@ -177,6 +181,46 @@ def get_family(model: nn.Module) -> FamilyAdapter:
             "FamilyAdapter for its model_type."
         )
     return FAMILY_REGISTRY.get(model_type)
+
+
+def rebuild_rotary_edits(model: nn.Module, base: nn.Module, rope_parameters: dict[str, Any]) -> list[Edit]:
+    """Write ``config.rope_parameters`` and rebuild ``base.rotary_emb`` from the model's own rotary class: exactly
+    the model transformers builds from that config, so the result saves and reloads without hf_posswap."""
+    rotary_cls = type(base.rotary_emb)
+    device = next(iter(base.rotary_emb.buffers())).device
+    return [
+        SetAttribute(
+            model.config,
+            "rope_parameters",
+            lambda: copy.deepcopy(rope_parameters),
+            where=f"config.rope_parameters = {rope_parameters}",
+        ),
+        SetAttribute(
+            base,
+            "rotary_emb",
+            lambda: rotary_cls(config=model.config).to(device),
+            where=f"rotary_emb <- {rotary_cls.__name__} rebuilt from config.rope_parameters",
+        ),
+    ]
+
+
+def native_partial_rope_edits(
+    model: nn.Module, base: nn.Module, config: RopeConfig, head_dim: int, rope_types: tuple[str, ...] | None = None
+) -> list[Edit] | None:
+    """Native RoPE edits for families whose own ``apply_rotary_pos_emb`` rotates the first ``cos.shape[-1]`` dims
+    and whose rotary class reads ``rope_parameters["partial_rotary_factor"]`` (Phi-3, GPT-NeoX). ``None`` when the
+    family cannot express ``config``: Self-Extend (needs unrotated cached keys), a rope type outside ``rope_types``,
+    or an odd rotated width (transformers would round it up, hf_posswap rounds it down)."""
+    if isinstance(config.scaling, SelfExtend):
+        return None
+    if int(head_dim * config.partial_rotary_factor) % 2:
+        return None
+    rope_parameters = config.rope_parameters(head_dim)
+    if rope_types is not None and rope_parameters["rope_type"] not in rope_types:
+        return None
+    # written even at 1.0: GPT-NeoX's config fills a missing factor with 0.25 (rotary_pct's default) on reload
+    rope_parameters["partial_rotary_factor"] = float(config.partial_rotary_factor)
+    return rebuild_rotary_edits(model, base, rope_parameters)
 
 
 def _slot(base: nn.Module, path: str | None) -> tuple[nn.Module, str] | None:

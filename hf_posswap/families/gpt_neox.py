@@ -1,0 +1,31 @@
+"""GPT-NeoX (Pythia): fused ``query_key_value`` projection, parallel residual (attention and MLP read the same
+input; positions only enter attention, so nothing here depends on it) and partial rotary (``rotary_pct``, kept by
+transformers 5.x as ``rope_parameters["partial_rotary_factor"]``, 0.25 by default: the first quarter of each head
+is rotated, the rest passes through). One rotary module at ``gpt_neox.rotary_emb`` applied before the cache update.
+
+RoPE swaps are written natively (``rope_parameters`` + the rotary class rebuilt) for every rope type; the rotated
+fraction is always written, since ``GPTNeoXConfig`` fills a missing one with 0.25 on reload.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..edits import Edit
+from ..schemes.rope import RopeConfig
+from .base import FamilyAdapter, native_partial_rope_edits, register_family
+
+
+@register_family
+class GPTNeoXAdapter(FamilyAdapter):
+    name = "gpt_neox"
+    model_types = ("gpt_neox",)
+    native_positions = "partial RoPE (gpt_neox.rotary_emb, config.rope_parameters)"
+    lora_target_modules = ("query_key_value", "dense")
+    rotary_module_path = "rotary_emb"
+
+    def native_rope_edits(self, model: nn.Module, config: RopeConfig) -> list[Edit] | None:
+        return native_partial_rope_edits(model, self.base_model(model), config, self.spec(model).head_dim)
+
+    def describe_native(self, model: nn.Module) -> str:
+        return f"partial RoPE (rotary_emb, rope_parameters={getattr(model.config, 'rope_parameters', None)})"

@@ -1,0 +1,43 @@
+"""RoBERTa: BERT's layout (learned table at ``embeddings.position_embeddings``, ``token_type_ids`` buffer gathered by
+position), with RoBERTa's position numbering: a token's position id is ``padding_idx + 1 +`` its index among the
+non-padding tokens of its row (built from ``input_ids``, so padding is skipped; ``padding_idx = pad_token_id``), and
+the table has ``padding_idx + 1`` more rows than the model's context (514 for 512 tokens).
+
+The hook leaves ``position_ids`` to RoBERTa's own embeddings, so the table slot (the kept learned table or a new
+absolute scheme) sees RoBERTa's numbering, exactly as the native model does; explicit ``position_ids`` are table
+indices, as in transformers. In-attention schemes use token indices and the mask (only distances matter to them).
+``token_type_ids`` are supplied as zeros (what the buffer holds), so inputs past the table run for schemes without
+a length limit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import register_family
+from .bert import BertAdapter
+
+
+@register_family
+class RobertaAdapter(BertAdapter):
+    name = "roberta"
+    model_types = ("roberta",)
+
+    def prepare_inputs(self, base: nn.Module, kwargs: dict[str, Any], query_offset: int) -> None:
+        reference = kwargs.get("input_ids")
+        if reference is None:
+            reference = kwargs.get("inputs_embeds")
+        if reference is None or kwargs.get("token_type_ids") is not None:
+            return
+        shape = (reference.shape[0], reference.shape[1])
+        kwargs["token_type_ids"] = torch.zeros(shape, dtype=torch.long, device=reference.device)
+
+    def describe_native(self, model: nn.Module) -> str:
+        first = model.config.pad_token_id + 1
+        return (
+            f"learned absolute table (embeddings.position_embeddings, {model.config.max_position_embeddings} rows; "
+            f"positions start at padding_idx + 1 = {first})"
+        )
