@@ -18,8 +18,8 @@ INSPECT_LENGTH = 256
 SCHEMES = ("learned", "sinusoidal", "none", "rope", "alibi", "t5", "kerple", "sandwich", "fire",
            "layer_mix")
 #: the built-in context-extension methods (``hf_posswap.available_extension_methods()``)
-EXTENSION_METHODS = ("linear", "ntk", "dynamic", "yarn", "longrope", "llama3", "self_extend", "interpolate", "copy",
-                     "lift")
+EXTENSION_METHODS = ("linear", "ntk", "dynamic", "yarn", "longrope", "llama3", "self_extend", "rerope", "interpolate",
+                     "copy", "lift")
 #: perplexity modes and built-in corpora of ``hf_posswap.evaluation``
 MODES = ("windows", "sliding", "tail")
 CORPORA = ("reference", "pydoc", "stdlib")

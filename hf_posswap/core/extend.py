@@ -2,7 +2,8 @@
 
 - RoPE models (LLaMA-like natively, or any model swapped to ``rope``): a RoPE scaling (``linear``, ``ntk``,
   ``dynamic``, ``yarn``, ``longrope``, ``llama3``) written as a ``rope`` swap, so LLaMA-like checkpoints stay plain
-  transformers.
+  transformers; or two-pass attention with RoPE inside attention (``self_extend``, ``rerope``: exact distances
+  within a window, grouped or clamped beyond it, see :mod:`hf_posswap.core.self_extend`).
 - Learned absolute tables (GPT-2, BERT, or a ``learned`` swap): the table grows by ``interpolate`` (linear
   interpolation of the trained vectors) or ``copy`` (the trained table repeated, as Longformer did).
 - ALiBi, T5, NoPE and sinusoidal have no length limit: ``lift`` only records the new length.

@@ -1,5 +1,5 @@
 """Self-Extend attention (Jin et al. 2024, "LLM Maybe LongLM: Self-Extend LLM Context Window Without Tuning",
-arXiv:2401.01325, Algorithm 1).
+arXiv:2401.01325, Algorithm 1), and ReRoPE (Su 2023, github.com/bojone/rerope) on the same two passes.
 
 Two logits per (query, key): with the exact positions ("neighbour" attention) and with grouped positions
 floor(pos / G), the query's shifted by W - floor(W / G) so grouped distances continue where the window ends.
@@ -7,6 +7,10 @@ Keys closer than W to the query take the neighbour logit, the others the grouped
 length exceeds the original one; shorter inputs take the ordinary path and are unchanged. In causal models only
 queries past the original length use grouped distances (see :func:`self_extend_attention`), which keeps cached
 decoding equal to a full recompute.
+
+ReRoPE is the same two passes with an infinite group: far keys unrotated, far queries at position W, so every key
+past the window sits at distance W; Leaky ReRoPE divides by k without the floor (distance W + (d - W) / k). It acts
+from length W on (:class:`~hf_posswap.schemes.rope_scaling.TwoPassSettings` ``start``), as the reference does.
 
 Memory: the queries are processed in chunks, so no ``[B, H, q, kv]`` tensor exists unless attention weights are
 returned (the eager carrier, or ``output_attentions=True``): a chunk holds at most :data:`CHUNK_ELEMENTS` logits
@@ -24,6 +28,7 @@ import torch
 from torch import nn
 
 from ..schemes.rope import apply_rotary
+from ..schemes.rope_scaling import TwoPassSettings
 from .context import PositionContext
 
 #: logits (batch x heads x queries x keys) one query chunk holds at once: 2**24 values, 64 MiB in fp32
@@ -87,7 +92,7 @@ class _Call:
     query_pos: torch.Tensor  # [q] or [B, q]
     query_rows: torch.Tensor  # [1 or B, q]
     key_rows: torch.Tensor  # [1 or B, kv]
-    settings: tuple[int, int, int]  # group, window, original
+    settings: TwoPassSettings
     scaling: float
     dropout: float
     causal: bool
@@ -140,21 +145,21 @@ def _prepare(
     dropout: float,
 ) -> _Call:
     """Positions, keys rotated by exact and by grouped positions (once per call), and the call's settings."""
-    group, _window, _original = context.self_extend  # type: ignore[misc]
+    settings = TwoPassSettings(*context.self_extend)  # type: ignore[misc]
     rotary = context.positions
     query_pos, key_pos = _positions(context, query.shape[2], key.shape[2], query.device)
     return _Call(
         module=module,
         query=query,
         near_keys=apply_rotary(key, *rotary(key_pos)),  # type: ignore[misc]
-        far_keys=apply_rotary(key, *rotary(key_pos // group)),  # type: ignore[misc]
+        far_keys=apply_rotary(key, *rotary(far_positions(key_pos, settings))),  # type: ignore[misc]
         value=value,
         attention_mask=attention_mask,
         rotary=rotary,  # type: ignore[arg-type]
         query_pos=query_pos,
         query_rows=query_pos if query_pos.dim() == 2 else query_pos[None],
         key_rows=key_pos if key_pos.dim() == 2 else key_pos[None],
-        settings=context.self_extend,  # type: ignore[arg-type]
+        settings=settings,
         scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
         dropout=dropout,
         causal=bool(getattr(module, "is_causal", True)),
@@ -194,25 +199,31 @@ def _visible_end(call: _Call, distance: torch.Tensor) -> int:
 
 def _grouped_pairs(call: _Call, distance: torch.Tensor, query_rows: torch.Tensor) -> torch.Tensor:
     """Which (query, key) pairs take the grouped logit: [1 or B, 1, c, n] bool."""
-    _group, window, original = call.settings
+    window, start = call.settings.window, call.settings.start
     if call.causal:
-        return (distance >= window) & (query_rows >= original)[:, None, :, None]
-    # a row no longer than the original (a short row padded in a batch with a long one) is not grouped
-    longer = (call.key_rows.amax(-1) >= original)[:, None, None, None]  # [1 or B, 1, 1, 1]
+        return (distance >= window) & (query_rows >= start)[:, None, :, None]
+    # a row no longer than the start (a short row padded in a batch with a long one) is not grouped
+    longer = (call.key_rows.amax(-1) >= start)[:, None, None, None]  # [1 or B, 1, 1, 1]
     return (distance.abs() >= window) & longer
+
+
+def far_positions(positions: torch.Tensor | int, settings: TwoPassSettings) -> torch.Tensor | float:
+    """Grouped positions: floor(p / G) for Self-Extend, p / k for Leaky ReRoPE, 0 for ReRoPE (p / inf)."""
+    return positions // settings.group if settings.floor else positions / settings.group
 
 
 def _scores(call: _Call, rows: slice, use_grouped: torch.Tensor) -> torch.Tensor:
     """Logits [B, H, c, n]: grouped where ``use_grouped``, else neighbour. Leading keys that every query of the
     chunk groups get only the grouped logit; a chunk that groups nothing gets only the neighbour one."""
-    group, window, _original = call.settings
     end = use_grouped.shape[-1]
     query = call.query[:, :, rows]
     query_pos = call.query_pos[..., rows]
     near_query = apply_rotary(query, *call.rotary(query_pos))
     if not bool(use_grouped.any()):
         return call.logits(near_query, call.near_keys[:, :, :end])
-    far_query = apply_rotary(query, *call.rotary(query_pos // group + (window - window // group)))
+    window = call.settings.window
+    far_query_pos = far_positions(query_pos, call.settings) + (window - far_positions(window, call.settings))
+    far_query = apply_rotary(query, *call.rotary(far_query_pos))
     all_grouped = use_grouped.flatten(0, 2).all(0)  # [n]: keys every query of the chunk groups
     split = end if bool(all_grouped.all()) else int(all_grouped.logical_not().int().argmax())
     if split == end:

@@ -247,11 +247,10 @@ def _config_class_edit(config: Any) -> Edit:
     return SetConfigClass(config, posswap_config_class(base_class), base_class)
 
 
-def _self_extend_settings(config: SchemeConfig) -> tuple[int, int, int] | None:
+def _self_extend_settings(config: SchemeConfig) -> tuple | None:
+    """Two-pass attention settings (``TwoPassSettings``) of Self-Extend and ReRoPE (a SelfExtend subclass)."""
     scaling = getattr(config, "scaling", None)
-    if not isinstance(scaling, SelfExtend):
-        return None
-    return scaling.group_size, scaling.neighbor_window, scaling.original_max_position_embeddings  # type: ignore[return-value]
+    return scaling.attention_settings() if isinstance(scaling, SelfExtend) else None
 
 
 def _short(module: nn.Module) -> str:

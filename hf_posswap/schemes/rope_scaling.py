@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from ..errors import InvalidConfigError, InvalidOptionError, UnknownSchemeError, closest_hint
 from ..registry import Registry
@@ -63,8 +63,13 @@ class RopeScaling:
         return {"method": self.method, **dataclasses.asdict(self)}
 
     @classmethod
+    def option_names(cls) -> list[str]:
+        """The options a user may set (the record's keys besides ``method``)."""
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
     def from_options(cls, **options: Any) -> RopeScaling:
-        allowed = [f.name for f in dataclasses.fields(cls)]
+        allowed = cls.option_names()
         for key in options:
             if key not in allowed:
                 raise InvalidOptionError(
@@ -258,6 +263,31 @@ class Llama3Scaling(RopeScaling):
         }
 
 
+class TwoPassSettings(NamedTuple):
+    """What two-pass attention (:mod:`hf_posswap.core.self_extend`) reads, as (group, window, start). Keys closer
+    than ``window`` to the query keep exact positions; farther ones take the "far" logit, keys at far(j) and queries
+    at far(i) + window - far(window): far(p) = floor(p / G) for an integer group (Self-Extend), p / k for a float
+    one (leaky ReRoPE; inf: every far key at distance ``window``, ReRoPE). Causal queries before position ``start``
+    (bidirectional rows shorter than it) use exact positions only."""
+
+    group: int | float
+    window: int
+    start: int
+
+    @property
+    def floor(self) -> bool:
+        """Whether far positions are rounded down (Self-Extend's integer groups)."""
+        return isinstance(self.group, int)
+
+
+def _default_window(window: int | None, original: int, name: str, field: str) -> int:
+    """``window``, or a quarter of the original length; refused unless shorter than the original length."""
+    window = window if window is not None else max(original // 4, 1)
+    if window >= original:
+        raise InvalidConfigError(f"{name}.{field}={window} must be shorter than the original length {original}.")
+    return window
+
+
 @register_scaling
 @dataclass
 class SelfExtend(RopeScaling):
@@ -290,11 +320,7 @@ class SelfExtend(RopeScaling):
     def with_original(self, original: int) -> SelfExtend:
         scaled = super().with_original(original)
         original = scaled.original_max_position_embeddings  # type: ignore[assignment]
-        window = scaled.neighbor_window if scaled.neighbor_window is not None else max(original // 4, 1)
-        if window >= original:
-            raise InvalidConfigError(
-                f"SelfExtend.neighbor_window={window} must be shorter than the original length {original}."
-            )
+        window = _default_window(scaled.neighbor_window, original, "SelfExtend", "neighbor_window")
         target = math.ceil(scaled.factor * original)
         group = scaled.group_size or max(math.ceil((target - window) / (original - window)), 1)
         reach = (original - window) * group + window
@@ -307,3 +333,74 @@ class SelfExtend(RopeScaling):
 
     def rope_parameters(self, rope_theta: float, rotary_dim: int) -> dict[str, Any]:
         return {"rope_type": "default", "rope_theta": rope_theta}
+
+    def attention_settings(self) -> TwoPassSettings:
+        """Grouped positions floor(p / G) past the window, only once the input outgrows the original length."""
+        return TwoPassSettings(self.group_size, self.neighbor_window, self.original_max_position_embeddings)  # type: ignore[arg-type]
+
+
+@register_scaling
+@dataclass
+class ReRoPE(SelfExtend):
+    """ReRoPE (Su 2023, "Rectified Rotary Position Embeddings", github.com/bojone/rerope, kexue.fm/archives/9708).
+
+    Relative distances d < ``window`` are exact; farther keys all sit at distance w (queries rotated to position w
+    against unrotated keys). Leaky ReRoPE (``leaky_factor`` k): w + (d - w) / k beyond the window, reaching
+    (L0 - w) * k + w tokens. Self-Extend's two-pass attention with an infinite group (leaky: group k, no floor).
+    As in the reference, it acts at every length (inputs no longer than ``window`` are unchanged); RoPE goes
+    inside attention, cached keys unrotated.
+
+    Args:
+        window: w; ``None`` uses a quarter of the original length (the reference's ReRoPE-w1024 on 4k LLaMA 2).
+        leaky_factor: k > 1 for Leaky ReRoPE; ``None`` for ReRoPE.
+    """
+
+    method = "rerope"
+    paper = "Su 2023, Rectified Rotary Position Embeddings (github.com/bojone/rerope, kexue.fm/archives/9708)"
+    length_dependent = False
+
+    window: int | None = None
+    leaky_factor: float | None = None
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [name for name in super().option_names() if name not in ("group_size", "neighbor_window")]
+
+    def validate(self) -> None:
+        RopeScaling.validate(self)
+        if self.group_size is not None or self.neighbor_window is not None:
+            raise InvalidOptionError(
+                "ReRoPE has no group_size or neighbor_window (those are Self-Extend's); its options are "
+                f"{', '.join(self.option_names())}."
+            )
+        if self.window is not None:
+            require_int_at_least("ReRoPE", "window", self.window, 1)
+        if self.leaky_factor is not None:
+            require_positive("ReRoPE", "leaky_factor", self.leaky_factor)
+            if self.leaky_factor <= 1:
+                raise InvalidConfigError(
+                    f"ReRoPE.leaky_factor must exceed 1 (1 is plain RoPE), got {self.leaky_factor!r}; leave it out "
+                    "for ReRoPE without leak."
+                )
+
+    def with_original(self, original: int) -> ReRoPE:
+        scaled = RopeScaling.with_original(self, original)
+        original = scaled.original_max_position_embeddings  # type: ignore[assignment]
+        window = _default_window(scaled.window, original, "ReRoPE", "window")  # type: ignore[attr-defined]
+        target = math.ceil(scaled.factor * original)
+        leak = scaled.leaky_factor  # type: ignore[attr-defined]
+        if leak is not None and (original - window) * leak + window < target:
+            raise InvalidConfigError(
+                f"Leaky ReRoPE with leaky_factor={leak} and window={window} reaches "
+                f"{math.floor((original - window) * leak + window)} tokens, short of {target}; use leaky_factor >= "
+                f"{(target - window) / (original - window):g}."
+            )
+        return dataclasses.replace(scaled, window=window)  # type: ignore[return-value]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, **{name: getattr(self, name) for name in self.option_names()}}
+
+    def attention_settings(self) -> TwoPassSettings:
+        """Far keys unrotated (leaky: at p / k), far queries at w (leaky: p / k + w - w / k), at every length."""
+        group = float(self.leaky_factor) if self.leaky_factor is not None else math.inf  # a float: no floor
+        return TwoPassSettings(group, self.window, self.window)  # type: ignore[arg-type]
