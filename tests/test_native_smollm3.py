@@ -18,6 +18,7 @@ from conftest import VOCAB, make_model, tiny_config
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
 
 import hf_posswap as ps
+from hf_posswap.evaluation import byte_tokenizer
 from hf_posswap.persistence import native_smollm3
 from hf_posswap.persistence.native_smollm3 import NotNativeError
 
@@ -244,6 +245,7 @@ LOADER = textwrap.dedent("""
     print("LOGITS", "EQUAL" if gap <= 1e-5 else f"DIFFERENT by {gap}", type(model).__name__)
     print("GENERATE", "EQUAL" if torch.equal(tokens, data["tokens"]) else f"DIFFERENT {tokens} {data['tokens']}")
     print("NO_ROPE_LAYERS", model.config.no_rope_layers)
+    print("TOKENIZER", transformers.AutoTokenizer.from_pretrained(sys.argv[1]).decode([71, 72]))
     """)
 
 
@@ -252,7 +254,7 @@ def reload_without_hf_posswap(model: torch.nn.Module, tmp_path: Path) -> str:
     with torch.no_grad():  # 60 prompt tokens + 12 new ones: past the trained 64 positions
         tokens = model.generate(LONG[:, :60], max_new_tokens=12, do_sample=False)
     torch.save({"input_ids": LONG, "logits": logits(model, LONG), "tokens": tokens}, tmp_path / "io.pt")
-    save_native(model, tmp_path / "native")
+    save_native(model, tmp_path / "native", tokenizer=byte_tokenizer())
     result = subprocess.run([sys.executable, "-c", LOADER, str(tmp_path / "native"), str(tmp_path / "io.pt")],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -272,4 +274,4 @@ def test_reloads_without_hf_posswap_to_the_same_logits_and_generation(tmp_path: 
     output = reload_without_hf_posswap(model, tmp_path)
     assert "LOGITS EQUAL SmolLM3ForCausalLM" in output and "GENERATE EQUAL" in output, output
     flags = [0, 0, 0, 0] if case == "all-nope" else [1, 1, 1, 0]
-    assert f"NO_ROPE_LAYERS {flags}" in output, output
+    assert f"NO_ROPE_LAYERS {flags}" in output and "TOKENIZER hi" in output, output
