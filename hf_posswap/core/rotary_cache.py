@@ -40,54 +40,76 @@ from ..schemes.rope import apply_rotary
 
 #: attribute of a transformers cache layer that records its rotated slots
 MARKER = "posswap_rotated_keys"
-#: rope types whose rotation of a position depends on the current length
-LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 
 @dataclass(frozen=True)
 class RotatedKeys:
     """Slots ``[0, count)`` of a cache layer's keys hold keys rotated by their slot index, with the rotation whose
-    cos and sin at position 1 are ``signature``."""
+    cos and sin at position 1 are ``signature``; xPos keys are also scaled, counting positions from ``reference``."""
 
     count: int
     signature: tuple[float, ...]
+    reference: int = 0
 
 
 def rotates_once(positions: nn.Module | None, self_extend: Any) -> bool:
     """Whether a rotary scheme may store keys rotated: the rotation of a position must not depend on the current
     length, and nothing may need the keys unrotated later (Self-Extend regroups positions past its window)."""
-    rope_type = getattr(positions, "rope_type", None)
-    return self_extend is None and rope_type is not None and rope_type not in LENGTH_DEPENDENT
+    return self_extend is None and getattr(positions, "length_dependent", None) is False
+
+
+def scales_keys(positions: nn.Module | None) -> bool:
+    """Whether queries and keys get different factors (xPos): the scheme is then called with ``keys`` and a
+    ``reference`` position that the queries and keys of one attention call share."""
+    return bool(getattr(positions, "scales_keys", False))
 
 
 def rotary_inputs(module: nn.Module, query: torch.Tensor, key: torch.Tensor, context: Any) -> tuple[torch.Tensor, ...]:
     """Rotated (q [B, H, q, D], k [B, Hkv, kv, D]) for a :class:`~hf_posswap.core.context.PositionContext`.
 
     Keys held by a cache layer (see :func:`cache_layer`) are rotated once, in place; other keys are all rotated,
-    out of place, with the positions the context gives them.
+    out of place, with the positions the context gives them. xPos (:func:`scales_keys`) counts positions from a
+    reference that queries and keys share: the centre of the call's positions, or the one a cache layer recorded.
     """
     scheme = context.positions
     q_len, kv_len = query.shape[2], key.shape[2]
     seq_len = context.query_offset + q_len  # the current length, for length-dependent scalings
     rows = context.row_positions
     if rows is not None and rows.shape[-1] == q_len == kv_len:  # explicit positions (PoSE): no cache
-        cos, sin = _row_angles(context, scheme, rows, seq_len)
-        return rotate(query, cos, sin, context), rotate(key, cos, sin, context)
-    query = rotate(query, *angles(context, context.query_offset, q_len, seq_len, query.device), context)
+        reference = rows[..., q_len // 2 : q_len // 2 + 1]  # [B, 1]: each row's middle position
+        query = rotate(query, *_row_angles(context, scheme, rows, seq_len, False, reference), context)
+        return query, rotate(key, *_row_angles(context, scheme, rows, seq_len, True, reference), context)
     layer = cache_layer(module, key, q_len, context)
     if layer is None:
         start = context.key_start(q_len, kv_len)
-        return query, rotate(key, *angles(context, start, kv_len, seq_len, key.device), context)
-    return query, _rotate_cached(layer, key, q_len, context)
+        reference = start + kv_len // 2  # the centre of the keys (the queries are among them)
+        query = rotate(query, *angles(context, context.query_offset, q_len, seq_len, query.device, reference), context)
+        return query, rotate(key, *angles(context, start, kv_len, seq_len, key.device, reference, True), context)
+    done, reference = _rotated_prefix(layer, key, q_len, context)
+    query = rotate(query, *angles(context, context.query_offset, q_len, seq_len, query.device, reference), context)
+    return query, _rotate_cached(layer, key, q_len, context, done, reference)
 
 
-def angles(context: Any, start: int, length: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def angles(
+    context: Any,
+    start: int,
+    length: int,
+    seq_len: int,
+    device: torch.device,
+    reference: int = 0,
+    keys: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """cos, sin [length, r] of positions ``start .. start + length - 1``, computed once per forward and shared by
-    every layer (and by the queries and the new keys, which sit at the same positions)."""
-    memo_key = ("rope-angles", start, length, seq_len, device, torch.is_grad_enabled())
+    every layer (and, for RoPE, by the queries and the new keys, which sit at the same positions). xPos gets the
+    factors for ``keys`` or queries, counted from ``reference``; RoPE ignores both."""
+    scaled = scales_keys(context.positions)
+    reference, keys = (reference, keys) if scaled else (0, False)
+    memo_key = ("rope-angles", start, length, seq_len, device, torch.is_grad_enabled(), reference, keys)
     found = context.memo.get(memo_key)
     if found is None:
-        found = context.positions(torch.arange(start, start + length, device=device), seq_len)
+        positions = torch.arange(start, start + length, device=device)
+        extra = {"keys": keys, "reference": reference} if scaled else {}
+        found = context.positions(positions, seq_len, **extra)
         context.memo[memo_key] = found
     return found
 
@@ -141,12 +163,17 @@ def _rotation_matrix(context: Any, cos: torch.Tensor, sin: torch.Tensor, dim: in
     return found
 
 
-def _row_angles(context: Any, scheme: nn.Module, rows: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, ...]:
-    """cos, sin [B, L, r] of explicit per-row positions, once per forward."""
-    memo_key = ("rope-rows", id(rows), seq_len, rows.device, torch.is_grad_enabled())
+def _row_angles(
+    context: Any, scheme: nn.Module, rows: torch.Tensor, seq_len: int, keys: bool, reference: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """cos, sin [B, L, r] of explicit per-row positions, once per forward (xPos: for ``keys`` or queries, counted
+    from each row's ``reference`` [B, 1]; RoPE: the same for both)."""
+    scaled = scales_keys(scheme)
+    keys = keys and scaled
+    memo_key = ("rope-rows", id(rows), seq_len, rows.device, torch.is_grad_enabled(), keys)
     found = context.memo.get(memo_key)
     if found is None:
-        found = scheme(rows, seq_len)
+        found = scheme(rows, seq_len, keys=keys, reference=reference) if scaled else scheme(rows, seq_len)
         context.memo[memo_key] = found
     return found
 
@@ -164,37 +191,39 @@ def cache_layer(module: nn.Module, key: torch.Tensor, q_len: int, context: Any) 
     return layer
 
 
-def _rotate_cached(layer: Any, key: torch.Tensor, q_len: int, context: Any) -> torch.Tensor:
-    """Rotate the slots of ``key`` (the layer's own tensor) that are not rotated yet; return the keys to attend."""
-    offset = context.query_offset
-    end = offset + q_len
-    signature = rotation_signature(context, key.device)
-    done = _rotated_prefix(layer, signature, offset, context)
+def _rotate_cached(layer: Any, key: torch.Tensor, q_len: int, context: Any, done: int, reference: int) -> torch.Tensor:
+    """Rotate the slots of ``key`` (the layer's own tensor) after the ``done`` rotated ones; return the keys to
+    attend. xPos keys are scaled from ``reference``, which the layer records with them."""
+    end = context.query_offset + q_len
     if _writable(key):
         tail = key[:, :, done:end]
-        tail.copy_(rotate(tail, *angles(context, done, end - done, end, key.device), context))
-        setattr(layer, MARKER, RotatedKeys(end, signature))
+        tail.copy_(rotate(tail, *angles(context, done, end - done, end, key.device, reference, True), context))
+        setattr(layer, MARKER, RotatedKeys(end, rotation_signature(context, key.device), reference))
         return key
     # never written (keys that require grad, inference tensors): rotate the rest out of place at every step
-    rest = rotate(key[:, :, done:], *angles(context, done, key.shape[2] - done, end, key.device), context)
+    cos, sin = angles(context, done, key.shape[2] - done, end, key.device, reference, True)
+    rest = rotate(key[:, :, done:], cos, sin, context)
     return torch.cat((key[:, :, :done], rest), dim=2) if done else rest
 
 
-def _rotated_prefix(layer: Any, signature: tuple[float, ...], offset: int, context: Any) -> int:
+def _rotated_prefix(layer: Any, key: torch.Tensor, q_len: int, context: Any) -> tuple[int, int]:
     """How many leading slots of the layer hold keys rotated by this rotation (crop and reset shorten a layer
-    without telling it: only slots still in the cache before this forward count)."""
+    without telling it: only slots still in the cache before this forward count), and the reference position
+    their xPos factors count from (a new one, the centre of this forward's positions, when none are kept)."""
+    offset = context.query_offset
     marker = getattr(layer, MARKER, None)
-    if marker is None:
-        return 0
-    done = min(marker.count, offset)
-    if done and marker.signature != signature:
+    done = min(marker.count, offset) if marker is not None else 0
+    if not done:
+        return 0, (offset + q_len) // 2 if scales_keys(context.positions) else 0
+    signature = rotation_signature(context, key.device)
+    if marker.signature != signature:
         theirs, ours = _describe_signature(marker.signature), _describe_signature(signature)
         raise InvalidConfigError(
             f"past_key_values holds keys that another RoPE (cos/sin at position 1 starting {theirs}) stored "
             f"rotated, and this model rotates with {ours}: continuing the cache would mix two rotations. Continue "
             "the cache with the model that filled it, or start a new one (past_key_values=None)."
         )
-    return done
+    return done, marker.reference
 
 
 def rotation_signature(context: Any, device: torch.device) -> tuple[float, ...]:

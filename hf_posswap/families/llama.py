@@ -26,7 +26,7 @@ class LlamaAdapter(FamilyAdapter):
     rotary_module_path = "rotary_emb"
 
     def native_rope_edits(self, model: nn.Module, config: RopeConfig) -> list[Edit] | None:
-        if config.partial_rotary_factor != 1.0:
+        if not config.rotates_full_head:
             return None  # LLaMA's apply_rotary_pos_emb rotates whole heads; partial RoPE goes in attention
         if isinstance(config.scaling, SelfExtend):
             return None  # grouped positions need unrotated cached keys: RoPE goes in attention

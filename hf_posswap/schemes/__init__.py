@@ -10,6 +10,8 @@ from .t5 import T5BiasConfig, T5RelativeBias, relative_position_bucket
 from .kerple import KerpleBias, KerpleConfig
 from .sandwich import SandwichBias, SandwichConfig
 from .fire import FireBias, FireConfig
+from .xpos import XposConfig, XposEmbedding
+from .proportional import ProportionalRopeConfig
 from .mix import LayerMix, MixPositions
 
 # isort: on
@@ -43,6 +45,7 @@ __all__ = [
     "ModelSpec",
     "NoPEConfig",
     "NoPositions",
+    "ProportionalRopeConfig",
     "RopeConfig",
     "RotaryEmbedding",
     "RotaryPositions",
@@ -53,6 +56,8 @@ __all__ = [
     "SinusoidalPositions",
     "T5BiasConfig",
     "T5RelativeBias",
+    "XposConfig",
+    "XposEmbedding",
     "alibi_slopes",
     "apply_rotary",
     "register_scheme",

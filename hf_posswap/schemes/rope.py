@@ -6,6 +6,7 @@ checkpoint. Frequencies: inv_freq_i = theta^(-2i/d) for i < d/2 (RoFormer eq. 15
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,8 @@ from .base import (
 from .rope_scaling import LongRopeScaling, RopeScaling, scaling_from_dict
 
 DEFAULT_ROPE_THETA = 10_000.0
+#: rope types whose frequencies depend on the current sequence length
+LENGTH_DEPENDENT_TYPES = ("dynamic", "longrope")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -74,6 +77,12 @@ class RotaryEmbedding(RotaryPositions):
     def rope_type(self) -> str:
         return self.rope_parameters["rope_type"]
 
+    @property
+    def length_dependent(self) -> bool:
+        """Whether the rotation of a position changes with the current length (dynamic NTK, LongRoPE): keys then
+        cannot be stored rotated in a KV cache."""
+        return self.rope_type in LENGTH_DEPENDENT_TYPES
+
     def _init(self, device: torch.device | None, seq_len: int | None) -> tuple[torch.Tensor, float]:
         if self.rope_type == "default":
             rotary_dim = rotary_dim_for(self.head_dim, self.rope_parameters.get("partial_rotary_factor", 1.0))
@@ -86,8 +95,7 @@ class RotaryEmbedding(RotaryPositions):
 
     def frequencies(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
         """inv_freq [rotary_dim / 2] and the attention factor for the current sequence length."""
-        length_dependent = self.rope_type in ("dynamic", "longrope")
-        if not length_dependent or seq_len is None or seq_len <= self.original_length:
+        if not self.length_dependent or seq_len is None or seq_len <= self.original_length:
             return self.inv_freq.to(device), self.attention_scaling  # at or below L0: exactly the unscaled values
         key = seq_len if self.rope_type == "dynamic" else self.original_length + 1  # longrope: one long set
         if self._length_cache is None or self._length_cache[:2] != (key, device):
@@ -109,11 +117,13 @@ class RotaryEmbedding(RotaryPositions):
 
 
 def check_frequencies(inv_freq: torch.Tensor, rope_parameters: dict[str, Any]) -> None:
-    """Refuse frequencies that are not finite and positive (e.g. an NTK base that overflowed): they give NaN."""
+    """Refuse frequencies that are not finite and positive (e.g. an NTK base that overflowed): they give NaN.
+    Proportional RoPE sets its lowest frequencies to exactly 0 on purpose (those pairs are not rotated)."""
     if inv_freq.is_meta:  # replayed inside from_pretrained: the values were checked when the swap was made
         return
     inv_freq = inv_freq.to(torch.float32)
-    if not bool(torch.isfinite(inv_freq).all()) or not bool((inv_freq > 0).all()):
+    rotated = inv_freq[inv_freq != 0] if rope_parameters.get("rope_type") == "proportional" else inv_freq
+    if not bool(torch.isfinite(inv_freq).all()) or not rotated.numel() or not bool((rotated > 0).all()):
         raise InvalidConfigError(
             f"RoPE parameters {rope_parameters} give frequencies from {float(inv_freq.min()):.3g} to "
             f"{float(inv_freq.max()):.3g}; all must be finite and above 0 in float32. Use a smaller rope_theta or "
@@ -173,6 +183,11 @@ class RopeConfig(SchemeConfig):
                 f"got {self.scaling!r}."
             )
 
+    @property
+    def rotates_full_head(self) -> bool:
+        """Whether cos/sin span the whole head, as LLaMA's ``apply_rotary_pos_emb`` needs (partial RoPE does not)."""
+        return self.partial_rotary_factor == 1.0
+
     def resolve(self, spec: ModelSpec) -> RopeConfig:
         theta = self.rope_theta
         if theta is None:
@@ -187,8 +202,8 @@ class RopeConfig(SchemeConfig):
             scaling = scaling.with_original(spec.max_positions)  # type: ignore[arg-type]
             if isinstance(scaling, LongRopeScaling):
                 scaling.check_dim(rotary_dim_for(spec.head_dim, self.partial_rotary_factor))
-        return RopeConfig(
-            rope_theta=float(theta), partial_rotary_factor=float(self.partial_rotary_factor), scaling=scaling
+        return dataclasses.replace(
+            self, rope_theta=float(theta), partial_rotary_factor=float(self.partial_rotary_factor), scaling=scaling
         )
 
     @property
