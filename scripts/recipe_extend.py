@@ -58,15 +58,20 @@ class Settings:
     passkey_lengths: tuple[int, ...]
     depths: tuple[float, ...]
     trials: int
-    chars_per_token: float  # to choose enough training files (measured: SmolLM2 ~3.3 on stdlib code, bytes 1.0)
+    chars_per_token: float  # to choose enough training files (measured: SmolLM2 3.9 on stdlib code; bytes 1.0)
 
 
-# One step at seq 2,048 (LoRA r 16, batch 1) measured 141 s on the shared 2-core machine (load average 4 -> 9.6,
-# i.e. about a fifth of the cores); ~25-30 s is expected on idle cores (the README's idle 16k forward, scaled by
-# FLOPs), so 80 steps (164k training tokens) take ~35-40 minutes, plus ~2 minutes of loading, packing and saving.
-FULL = Settings(to=32_768, steps=80, seq_len=2048, batch_size=1, lr=3e-4, warmup_steps=8, lora_r=16, lora_alpha=32,
+# Budget (2 CPU cores). One training step at seq 2,048 (LoRA r 16, batch 1, PoSE) measured 141 s on a shared machine
+# (load average 4 -> 9.6 during the step: about a fifth of the two cores was ours). On idle cores it should take
+# ~25-35 s: ~2 TFLOP per step (forward 0.55 TFLOP of weights + 0.29 of attention; backward about as much again
+# without weight gradients for the frozen base, attention twice) at the 70-200 GFLOP/s that the README's idle
+# 16,384-token forwards (105-178 s) imply. 72 steps = 147k training tokens: ~30-42 minutes, plus ~2 minutes of
+# loading, packing, merging and saving. On a machine as loaded as the measurement's it would take ~3 hours.
+# The evaluation is extra: per model one 4k and one 16k forward, 6 passkey prompts at 8k and 6 at 16k (native: 8k
+# only), ~50-70 minutes for the three models on idle cores (--skip-native saves ~10).
+FULL = Settings(to=32_768, steps=72, seq_len=2048, batch_size=1, lr=3e-4, warmup_steps=7, lora_r=16, lora_alpha=32,
                 window=16_384, tail=4096, inside=4096, passkey_lengths=(8192, 16_384), depths=(0.0, 0.5, 1.0),
-                trials=2, chars_per_token=3.3)
+                trials=2, chars_per_token=3.9)
 QUICK = Settings(to=1024, steps=3, seq_len=64, batch_size=2, lr=1e-3, warmup_steps=0, lora_r=4, lora_alpha=8,
                  window=512, tail=128, inside=128, passkey_lengths=(256, 512), depths=(0.5,), trials=1,
                  chars_per_token=1.0)

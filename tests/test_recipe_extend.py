@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import save_tiny_checkpoint, tiny_config, write_corpus
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import hf_posswap as ps
 from hf_posswap.cli.main import main as cli
@@ -63,6 +63,8 @@ BAD = {  # id: (flags removed, arguments added (a repeated option's last value w
     "bad-lr": ([], ["--lr", "-1"], "lr must be a finite number", 1),
     "bad-yarn-option": ([], ["--option", "beta_fast=-3"], "beta_fast", 1),
     "to-shorter": ([], ["--to", "16"], "--to 16 is shorter than the model's current length 64", 1),
+    "pose-and-no-pose": ([], ["--pose-target", "128", "--no-pose"], "--pose-target and --no-pose exclude", 1),
+    "adapter-as-model": ([], ["--model", "ADAPTER"], "is a LoRA adapter directory", 1),
     "missing-data-file": ([], ["--data", "/nonexistent/*.txt"], "No training data matches", 1),
 }
 
@@ -83,6 +85,13 @@ def test_bad_values_are_refused_on_one_line_before_loading(case: str, base: Path
                                                           no_loading, capsys: pytest.CaptureFixture) -> None:
     removed, added, fragment, status = BAD[case]
     output = tmp_path / "out"
+    if "ADAPTER" in added:  # a directory that holds an adapter_config.json
+        adapter = tmp_path / "adapter"
+        adapter.mkdir()
+        (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base),
+                                                                 "peft_type": "LORA"}), encoding="utf-8")
+        save_file({"base_model.lora_A.weight": torch.zeros(1)}, adapter / "adapter_model.safetensors")
+        added = [str(adapter) if item == "ADAPTER" else item for item in added]
     argv = without(extend_argv(base, data, output), removed) + added
     assert cli(argv) == status
     error = capsys.readouterr().err.strip()
@@ -166,6 +175,19 @@ def test_extend_and_train_writes_a_checkpoint_that_reloads_natively(base: Path, 
         unmerged = adapted(input_ids=ids).logits
     torch.testing.assert_close(vanilla, unmerged, atol=1e-5, rtol=1e-5)
     assert (vanilla - zero_shot).abs().max() > 1e-3  # training changed the model
+
+
+@pytest.mark.slow
+def test_full_fine_tune_publishes_the_trained_model(base: Path, data: list[str], tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    output = tmp_path / "out"
+    assert cli(extend_argv(base, data, output, "--full", "--no-pose")) == 0
+    run = output / "training"
+    assert not (run / "adapter").exists() and not (run / "final").exists()  # the model was moved, not copied
+    assert json.loads((run / "finetune_config.json").read_text())["pose_target"] is None
+    model = AutoModelForCausalLM.from_pretrained(output)
+    assert model.config.rope_parameters["rope_type"] == "yarn" and model.config.max_position_embeddings == TO
 
 
 @pytest.mark.slow

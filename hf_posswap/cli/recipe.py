@@ -157,6 +157,9 @@ def finetune_config(args: argparse.Namespace, options: dict[str, Any], settings:
     if not settings.get("data"):
         raise InvalidConfigError("--train needs --data: the text files to fine-tune on (text the evaluation does "
                                  "not use).")
+    if settings["no_pose"] and hasattr(args, "pose_target"):
+        raise InvalidConfigError("--pose-target and --no-pose exclude each other: --no-pose trains with plain "
+                                 "positions. Pick one.")
     pose_target = None if settings["no_pose"] else settings["pose_target"]
     if pose_target is not None and pose_target > args.to:
         raise InvalidConfigError(f"--pose-target {pose_target} is past --to {args.to}: PoSE covers the extended "
