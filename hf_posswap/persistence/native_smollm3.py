@@ -118,7 +118,7 @@ def no_rope_layers(model: nn.Module) -> tuple[list[int], dict[str, Any]]:
             f"transformers' {TARGET} expresses layers with the model's own RoPE (any native rope_type, whole heads) "
             f"or with no positions (NoPE without temperature); this model has {found}. {_INSTEAD}"
         )
-    settings = {json_key(part.rope_parameters(spec.head_dim)) for part in rope_parts.values()}
+    settings = {_json_key(part.rope_parameters(spec.head_dim)) for part in rope_parts.values()}
     if len(settings) > 1:
         raise NotNativeError(
             f"{TARGET} has one rope_parameters for all RoPE layers; this model's RoPE layers use {len(settings)} "
@@ -131,7 +131,7 @@ def no_rope_layers(model: nn.Module) -> tuple[list[int], dict[str, Any]]:
     return [int(i in rope_parts) for i in range(spec.num_layers)], rope_parameters
 
 
-def json_key(data: dict[str, Any]) -> str:
+def _json_key(data: dict[str, Any]) -> str:
     """A hashable, order-free form of a JSON-like dict."""
     return json.dumps(data, sort_keys=True, default=str)
 
