@@ -207,7 +207,7 @@ def test_an_interrupted_run_resumes_to_the_weights_of_an_uninterrupted_one(
     capsys.readouterr()
     assert cli(extend_argv(base, data, interrupted)) == 130
     error = capsys.readouterr().err
-    assert "--resume" in error and "holds no model yet" in error, error
+    assert "--resume" in error and "no new model was written" in error, error
     assert not (interrupted / "config.json").exists()  # nothing half-written where the model goes
     monkeypatch.setattr(loop, "_log", original_log)
     assert cli(extend_argv(base, data, interrupted)) == 1  # refused: it would start again over the run

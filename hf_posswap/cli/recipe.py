@@ -218,10 +218,12 @@ def extend_and_train(args: argparse.Namespace, options: dict[str, Any]) -> int:
     except PosSwapError as error:
         raise _in_extend_words(error) from error
     except KeyboardInterrupt:
-        print(f"hf-posswap extend: interrupted; {args.output} holds no model yet, and the run's checkpoints in {run} "
-              "are kept: run the same command with --resume to continue.", file=sys.stderr)
+        print(f"hf-posswap extend: interrupted; no new model was written to {args.output}, and the checkpoints "
+              f"written so far in {run} are kept: rerun the command with --resume (in place of --overwrite) to "
+              "continue.", file=sys.stderr)
         return 130
-    result["train_seconds"] = round(time.perf_counter() - started, 1)
+    result["train_seconds"] = round(time.perf_counter() - started, 1)  # this invocation's (a resumed run: since then)
+    result["resumed"] = config.resume
     written = publish_result(run, Path(args.output), config.lora, result)
     print(f"trained {result['steps']} steps: train loss {result['train_loss']:.4g}"
           + (f", held-out loss {result['eval_loss']:.4g}" if result.get("eval_loss") is not None else ""))
