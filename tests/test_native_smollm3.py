@@ -199,6 +199,19 @@ def test_a_peft_model_is_refused_with_the_fix(tmp_path: Path) -> None:
         save_native(model, tmp_path / "out")
 
 
+@pytest.mark.parametrize("case", ["offloaded", "quantised"])
+def test_weights_that_are_not_all_here_are_refused(tmp_path: Path, case: str) -> None:
+    model = ps.swap(tiny_llama(), "none")
+    if case == "offloaded":  # what accelerate's disk offloading leaves in the module
+        model.lm_head.weight = torch.nn.Parameter(torch.empty(VOCAB, 64, device="meta"))
+        message = r"offloaded to the meta device .* load it fully"
+    else:
+        model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+        message = r"is quantised \(config.quantization_config\)"
+    with pytest.raises(NotNativeError, match=message):
+        save_native(model, tmp_path / "out")
+
+
 def test_a_conversion_that_changes_the_logits_is_refused(tmp_path: Path, monkeypatch) -> None:
     model = ps.swap(tiny_llama(), "none")
     real = native_smollm3.no_rope_layers

@@ -79,7 +79,8 @@ def save_native(
 
 
 def _plain_model(model: nn.Module) -> nn.Module:
-    """The transformers model to save; a peft model (adapters still separate) or a quantised one is refused."""
+    """The transformers model to save; a peft model (adapters still separate), a quantised one or one with
+    offloaded weights is refused."""
     if callable(getattr(model, "get_base_model", None)) or getattr(model, "peft_config", None):
         raise NotNativeError(
             f"{type(model).__name__} holds peft adapters; merge them first (model = model.merge_and_unload()), "
@@ -91,6 +92,11 @@ def _plain_model(model: nn.Module) -> nn.Module:
         raise NotNativeError(
             f"{type(model).__name__} is quantised (config.quantization_config); save_native writes full weights "
             f"only. Load the model unquantised to convert it. {_INSTEAD}"
+        )
+    if any(param.is_meta for param in model.parameters()):
+        raise NotNativeError(
+            f"{type(model).__name__} has weights offloaded to the meta device (device_map offloading); load it "
+            f"fully to convert it. {_INSTEAD}"
         )
     return model
 
@@ -239,11 +245,6 @@ def _plain_attention(name: str) -> str:
 
 def _check_same_logits(model: nn.Module, converted: nn.Module) -> None:
     """Refuse the conversion when the two models' logits differ on a probe sequence (a conversion bug)."""
-    if any(param.is_meta for param in model.parameters()):
-        raise NotNativeError(
-            f"{type(model).__name__} has weights offloaded to the meta device (device_map offloading); load it "
-            f"fully to convert it. {_INSTEAD}"
-        )
     device = next(model.parameters()).device
     length = min(PROBE_LENGTH, int(getattr(model.config, "max_position_embeddings", PROBE_LENGTH)))
     vocab = int(model.config.vocab_size)
