@@ -72,6 +72,10 @@ class XposEmbedding(RotaryPositions):
         """The largest |position - reference| whose factors stay within 2^±MAX_EXPONENT_BITS."""
         return xpos_max_span(self.head_dim, self.scale_base)
 
+    def frequencies(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
+        """inv_freq [d / 2] and the attention factor (1: xPos scales per pair instead), as RoPE's module answers."""
+        return self.inv_freq.to(device), 1.0
+
     def forward(
         self,
         positions: torch.Tensor,
