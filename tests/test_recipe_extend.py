@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import save_tiny_checkpoint, tiny_config, write_corpus
 from safetensors.torch import load_file, save_file
+from test_cli_wording import PYTHON_WORDS
 
 import hf_posswap as ps
 from hf_posswap.cli.main import main as cli
@@ -60,8 +61,8 @@ BAD = {  # id: (flags removed, arguments added (a repeated option's last value w
     "pose-past-to": ([], ["--pose-target", str(TO + 1)], f"--pose-target {TO + 1} is past --to {TO}", 1),
     "seq-len-not-below-pose": ([], ["--seq-len", str(TO)], f"--pose-target {TO} must exceed --seq-len {TO}", 1),
     "resume-and-overwrite": ([], ["--resume", "--overwrite"], "--resume and --overwrite exclude each other", 1),
-    "bad-lr": ([], ["--lr", "-1"], "lr must be a finite number", 1),
-    "bad-yarn-option": ([], ["--option", "beta_fast=-3"], "beta_fast", 1),
+    "bad-lr": ([], ["--lr", "-1"], "--lr must be a finite number", 1),
+    "bad-yarn-option": ([], ["--option", "beta_fast=-3"], "--option beta_fast must be a positive", 1),
     "to-shorter": ([], ["--to", "16"], "--to 16 is shorter than the model's current length 64", 1),
     "pose-and-no-pose": ([], ["--pose-target", "128", "--no-pose"], "--pose-target and --no-pose exclude", 1),
     "adapter-as-model": ([], ["--model", "ADAPTER"], "is a LoRA adapter directory", 1),
@@ -97,6 +98,7 @@ def test_bad_values_are_refused_on_one_line_before_loading(case: str, base: Path
     error = capsys.readouterr().err.strip()
     assert fragment in error and "\n" not in error, error
     assert error.startswith("hf-posswap extend: "), error
+    assert not PYTHON_WORDS.search(error.split(":", 1)[1]), error  # options the user can type, not Python names
     assert not output.exists()  # nothing was written
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import time
@@ -144,8 +145,8 @@ def check_extension(model: str, to: int, method: str | None, options: dict[str, 
         values = {"factor": to / original, "original_max_position_embeddings": original, **options}
         try:
             SCALING_REGISTRY.get(method).from_options(**values)
-        except PosSwapError:
-            raise
+        except PosSwapError as error:  # "YarnScaling.beta_fast must be ..." -> "--option beta_fast must be ..."
+            raise InvalidConfigError(re.sub(r"\b[A-Z]\w*Scaling\.(\w+)", r"--option \1", one_line(error))) from error
         except (TypeError, ValueError) as error:
             raise InvalidConfigError(f"--method {method} with options {options}: {one_line(error)}") from error
 
@@ -182,6 +183,9 @@ def finetune_config(args: argparse.Namespace, options: dict[str, Any], settings:
 def _in_extend_words(error: PosSwapError) -> PosSwapError:
     """A fine-tuning error with the options of ``extend --train`` (``--overwrite``, ``--to``, ``--method``)."""
     message = in_cli_words("finetune", one_line(error))
+    named = re.match(r"(\w+) must ", message)  # "lr must be a finite number ...": the setting is an option here
+    if named and named.group(1) in TRAIN_NAMES:
+        message = f"--{named.group(1).replace('_', '-')}{message[len(named.group(1)):]}"
     for old, new in (("--overwrite-output-dir", "--overwrite"), ("--extend-to", "--to"),
                      ("--extend-method", "--method"), ("pose_target=", "--pose-target "), ("seq_len=", "--seq-len ")):
         message = message.replace(old, new)
