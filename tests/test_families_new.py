@@ -236,3 +236,23 @@ def test_native_swaps_reload_in_vanilla_transformers(tmp_path: Path) -> None:
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.stdout.count("VANILLA_OK") == len(cases), result.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "scheme"), [
+    ("gemma3_text", ps.AlibiConfig()),
+    ("phi3", ps.RopeConfig(partial_rotary_factor=0.5, scaling=ps.YarnScaling(factor=4.0))),  # in attention
+    ("gpt_neox", ps.T5BiasConfig(num_buckets=16, max_distance=32)),
+    ("roberta", ps.SinusoidalConfig()),
+], ids=["gemma3_text-alibi", "phi3-yarn", "gpt_neox-t5", "roberta-sinusoidal"])
+def test_standalone_export_of_each_family_loads_without_hf_posswap(tmp_path: Path, family: str, scheme) -> None:
+    from test_export import load_without_hf_posswap
+
+    model = make_model(family)
+    ps.swap(model, scheme)
+    assert not ps.describe(model).native
+    input_ids = LONG if family != "roberta" else LONG[:, :40]
+    torch.save({"input_ids": input_ids, "expected": logits(model, input_ids)}, tmp_path / "io.pt")
+    ps.export_standalone(model, tmp_path / "export")
+    auto = "AutoModelForMaskedLM" if family == "roberta" else "AutoModelForCausalLM"
+    assert "EQUAL" in load_without_hf_posswap(tmp_path / "export", tmp_path / "io.pt", auto)

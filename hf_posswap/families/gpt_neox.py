@@ -5,6 +5,11 @@ is rotated, the rest passes through). One rotary module at ``gpt_neox.rotary_emb
 
 RoPE swaps are written natively (``rope_parameters`` + the rotary class rebuilt) for every rope type; the rotated
 fraction is always written, since ``GPTNeoXConfig`` fills a missing one with 0.25 on reload.
+
+Checkpoints: transformers saves GPT-NeoX's head as ``embed_out`` and renames it to ``lm_head`` on load, looking the
+renaming up by class name, then by ``model_type``. A swapped model saves as ``hf_posswap_gpt_neox`` and reloads into
+hf_posswap's subclass, which neither name finds: the head would come back random. The same renaming is registered
+for that model type.
 """
 
 from __future__ import annotations
@@ -14,6 +19,25 @@ from torch import nn
 from ..edits import Edit
 from ..schemes.rope import RopeConfig
 from .base import FamilyAdapter, native_partial_rope_edits, register_family
+
+#: model_type of a non-native swapped GPT-NeoX checkpoint (``hf_posswap.core.state.MODEL_TYPE_PREFIX`` + gpt_neox)
+SWAPPED_MODEL_TYPE = "hf_posswap_gpt_neox"
+
+
+def _share_head_renaming() -> None:
+    """Register transformers' own GPT-NeoX checkpoint renamings (``embed_out`` -> ``lm_head``) for swapped
+    checkpoints too (idempotent)."""
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+
+    conversions = get_checkpoint_conversion_mapping("GPTNeoXForCausalLM")
+    if conversions and get_checkpoint_conversion_mapping(SWAPPED_MODEL_TYPE) is None:
+        register_checkpoint_conversion_mapping(SWAPPED_MODEL_TYPE, conversions)
+
+
+_share_head_renaming()
 
 
 @register_family
