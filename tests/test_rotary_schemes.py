@@ -156,6 +156,21 @@ def test_xpos_refuses_a_span_past_float32s_range() -> None:
         module(torch.arange(span + 2))
 
 
+def test_xpos_in_float16_keeps_its_factors_finite() -> None:
+    """A float16 model (the module follows model.half()) gets float16's range: 2^±14, a shorter span than float32's."""
+    module = XposEmbedding(10_000.0, 64, 512.0).half()
+    span = xpos_max_span(64, 512.0, torch.float16)
+    assert span == module.max_span and 3900 < span < xpos_max_span(64, 512.0) / 7
+    for keys in (False, True):
+        cos, sin = (t.half() for t in module(torch.arange(-span, span + 1), keys=keys))
+        assert torch.isfinite(cos * 3).all() and torch.isfinite(sin * 3).all()
+        assert bool(((cos.abs() + sin.abs()) > 0).all())
+    with pytest.raises(InvalidConfigError, match=r"beyond what float16 keeps finite"):
+        module(torch.arange(span + 2))
+    model = swapped("gpt2", "xpos").half()
+    assert model.base_model.posswap_positions.max_span == span
+
+
 @pytest.mark.parametrize("family", ENCODERS)
 def test_xpos_refuses_encoders_before_any_edit(family: str) -> None:
     """The matrix skips (encoder, xpos); here the refusal: clear, eager, and the model untouched."""
@@ -358,3 +373,17 @@ def test_xpos_config_values_are_checked() -> None:
         XposConfig(scale_base=0)
     with pytest.raises(InvalidConfigError, match=r"XposConfig.rope_theta must be above 1"):
         XposConfig(rope_theta=1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["xpos", "proportional"])
+def test_standalone_export_loads_without_hf_posswap(tmp_path: Path, scheme: str) -> None:
+    """export_standalone bundles both scheme modules: GPT-2 (in attention) reloads where hf_posswap is absent."""
+    from test_export import load_without_hf_posswap
+
+    model = swapped("gpt2", scheme)
+    input_ids = tokens(1, 100)
+    with torch.no_grad():
+        torch.save({"input_ids": input_ids, "expected": model(input_ids=input_ids).logits}, tmp_path / "io.pt")
+    ps.export_standalone(model, tmp_path / "export")
+    assert "EQUAL" in load_without_hf_posswap(tmp_path / "export", tmp_path / "io.pt", "AutoModelForCausalLM")

@@ -15,8 +15,8 @@ bidirectional attention). ``swap`` refuses encoders.
 
 Float range: only n - m matters, so the positions are counted from a ``reference`` that the caller picks once per
 attention call (the centre of the positions, as the references do): queries and keys must share it. The factors
-are kept within 2^±:data:`MAX_EXPONENT_BITS`, far inside float32; a span of positions that needs more raises an
-error naming a ``scale_base`` that fits.
+are kept within 2^±100 (far inside float32 and bfloat16; 2^±14 for a float16 model); a span of positions that needs
+more raises an error naming a ``scale_base`` that fits.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ from .rope import DEFAULT_ROPE_THETA, default_inv_freq
 
 #: the paper's gamma in zeta_i = (2i / d + gamma) / (1 + gamma)
 XPOS_ZETA_OFFSET = 0.4
-#: xPos factors stay within 2^±this (float32 holds 2^±126 as normal numbers; the rest is headroom for q and k)
-MAX_EXPONENT_BITS = 100.0
+#: xPos factors stay within 2^±this (float32 and bfloat16 hold 2^±126 as normal numbers; the rest is headroom for q
+#: and k); float16 holds 2^±14 as normal numbers and overflows at 2^16, so its factors stay within 2^±14
+MAX_EXPONENT_BITS = {torch.float16: 14.0}
+DEFAULT_EXPONENT_BITS = 100.0
 
 
 def xpos_zeta(head_dim: int) -> torch.Tensor:
@@ -58,8 +60,10 @@ class XposEmbedding(RotaryPositions):
     #: queries and keys get different factors: callers pass ``keys`` and a shared ``reference``
     scales_keys: ClassVar[bool] = True
 
-    def __init__(self, rope_theta: float, head_dim: int, scale_base: float) -> None:
+    def __init__(self, rope_theta: float, head_dim: int, scale_base: float, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        # empty, follows model.to(dtype): the dtype q and k are scaled in, which bounds the factors
+        self.register_buffer("_dtype_probe", torch.empty(0, dtype=dtype), persistent=False)
         self.rope_theta = rope_theta
         self.head_dim = head_dim
         self.scale_base = scale_base
@@ -69,8 +73,8 @@ class XposEmbedding(RotaryPositions):
 
     @property
     def max_span(self) -> int:
-        """The largest |position - reference| whose factors stay within 2^±MAX_EXPONENT_BITS."""
-        return xpos_max_span(self.head_dim, self.scale_base)
+        """The largest |position - reference| whose factors stay within range for the model's dtype."""
+        return xpos_max_span(self.head_dim, self.scale_base, self._dtype_probe.dtype)
 
     def frequencies(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
         """inv_freq [d / 2] and the attention factor (1: xPos scales per pair instead), as RoPE's module answers."""
@@ -104,21 +108,23 @@ class XposEmbedding(RotaryPositions):
         farthest = float(power.abs().max()) * self.scale_base
         if farthest > self.max_span:
             needed = farthest * self.scale_base / self.max_span
+            dtype = str(self._dtype_probe.dtype).removeprefix("torch.")
             raise InvalidConfigError(
                 f"xPos with scale_base={self.scale_base:g} scales a position {farthest:.0f} tokens from the reference "
-                f"by zeta^({farthest / self.scale_base:.1f}), beyond 2^{MAX_EXPONENT_BITS:.0f} in float32 (it keeps "
-                f"spans up to {self.max_span} tokens). Use inputs of at most {self.max_span} tokens from the centre, "
-                f"or swap with XposConfig(scale_base>={math.ceil(needed)})."
+                f"by zeta^({farthest / self.scale_base:.1f}), beyond what {dtype} keeps finite (spans up to "
+                f"{self.max_span} tokens). Use inputs of at most {self.max_span} tokens from the centre, or swap "
+                f"with XposConfig(scale_base>={math.ceil(needed)})."
             )
 
     def extra_repr(self) -> str:
         return f"rope_theta={self.rope_theta:g}, head_dim={self.head_dim}, scale_base={self.scale_base:g}"
 
 
-def xpos_max_span(head_dim: int, scale_base: float) -> int:
-    """Positions from the reference whose factor zeta_0^(±span / gamma) stays within 2^±MAX_EXPONENT_BITS."""
+def xpos_max_span(head_dim: int, scale_base: float, dtype: torch.dtype = torch.float32) -> int:
+    """Positions from the reference whose factor zeta_0^(±span / gamma) stays within 2^±bits for ``dtype``."""
     smallest = float(xpos_zeta(head_dim)[0])
-    return int(MAX_EXPONENT_BITS * math.log(2) / -math.log(smallest) * scale_base)
+    bits = MAX_EXPONENT_BITS.get(dtype, DEFAULT_EXPONENT_BITS)
+    return int(bits * math.log(2) / -math.log(smallest) * scale_base)
 
 
 @register_scheme
@@ -162,6 +168,5 @@ class XposConfig(SchemeConfig):
         return XposConfig(rope_theta=float(theta), scale_base=float(self.scale_base))
 
     def build(self, spec: ModelSpec) -> XposEmbedding:
-        return XposEmbedding(float(self.rope_theta or DEFAULT_ROPE_THETA), spec.head_dim, self.scale_base).to(
-            spec.device
-        )
+        theta = float(self.rope_theta or DEFAULT_ROPE_THETA)
+        return XposEmbedding(theta, spec.head_dim, self.scale_base, spec.dtype).to(spec.device)
