@@ -50,6 +50,12 @@ MIXES = {
     "gpt2-alibi-rope-none": ("gpt2", lambda: ps.LayerMix(default="alibi", overrides={"rope": [1], "none": [2]})),
     "bert-t5-rope": ("bert", lambda: ps.LayerMix(default=ps.T5BiasConfig(num_buckets=16, max_distance=32),
                                                  overrides={"rope": [0, 2]})),
+    # per-head mixes: ALiBi on the second kv group of a grouped-query LLaMA; T5 on GPT-2's heads 1 and 3
+    "llama-headmix-alibi-rope": ("llama", lambda: ps.LayerMix(
+        default=ps.HeadMix(bias="alibi", rotary="rope", bias_heads=[2, 3]), overrides={"none": [1]})),
+    "gpt2-headmix-t5-rope": ("gpt2", lambda: ps.LayerMix(default=ps.HeadMix(
+        bias=ps.T5BiasConfig(num_buckets=16, max_distance=32), rotary="rope", bias_heads=[1, 3]),
+        overrides={"alibi": [1]})),
 }
 CAUSAL = [key for key, (family, _) in MIXES.items() if family != "bert"]
 
@@ -271,7 +277,10 @@ def test_output_attentions_per_layer_follow_the_layers_scheme(key: str) -> None:
     family, mix = MIXES[key]
     model = mixed(key, "eager")
     alone = make_model(family, "eager")
-    ps.swap(alone, mix().layer_schemes(LAYERS)[0])  # the whole model with layer 0's scheme (no T5 on layer 0 here)
+    ps.swap(alone, mix().layer_schemes(LAYERS)[0])
+    if "headmix-t5" in key:  # the same T5 table as the mixed model's (both random)
+        table = alone.base_model.posswap_positions.parts["0"].bias.bias.tables[0]
+        table.weight.data.copy_(model.base_model.posswap_positions.parts["0"].bias.bias.tables[0].weight)
     input_ids = tokens(1, 10)
     with torch.no_grad():
         ours = model(input_ids=input_ids, output_attentions=True).attentions
@@ -279,6 +288,31 @@ def test_output_attentions_per_layer_follow_the_layers_scheme(key: str) -> None:
     assert len(ours) == LAYERS
     torch.testing.assert_close(ours[0], theirs[0], atol=1e-5, rtol=1e-4)
     assert not torch.allclose(ours[1], theirs[1], atol=1e-4)  # layer 1 has another part in every mix here
+
+
+@pytest.mark.parametrize(("family", "bias", "bias_heads"), [
+    pytest.param("llama", "alibi", [0, 1], id="llama-gqa-alibi"),
+    pytest.param("gpt2", "t5", [0, 2], id="gpt2-t5", marks=pytest.mark.slow),
+])
+def test_head_mix_heads_equal_the_pure_schemes_per_head(family: str, bias: str, bias_heads: list[int]) -> None:
+    """Layer 0 attention weights, head by head: a bias head's are the pure bias model's, a rotary head's the pure
+    RoPE model's (transformers' own RoPE for LLaMA); models built from the same weights."""
+    bias_config = ps.T5BiasConfig(num_buckets=16, max_distance=32) if bias == "t5" else ps.AlibiConfig()
+    head_mix, pure_bias, pure_rope = (make_model(family, "eager") for _ in range(3))
+    ps.swap(head_mix, ps.HeadMix(bias=bias_config, rotary="rope", bias_heads=bias_heads))
+    ps.swap(pure_bias, bias_config)
+    if family != "llama":
+        ps.swap(pure_rope, "rope")
+    if bias == "t5":
+        table = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+        pure_bias.base_model.posswap_positions.tables[0].weight.data.copy_(table)
+        head_mix.base_model.posswap_positions.parts["0"].bias.bias.tables[0].weight.data.copy_(table)
+    input_ids = tokens(2, 14)
+    weights = [m(input_ids=input_ids, output_attentions=True).attentions[0] for m in (head_mix, pure_bias, pure_rope)]
+    rotary_heads = [h for h in range(4) if h not in bias_heads]
+    torch.testing.assert_close(weights[0][:, bias_heads], weights[1][:, bias_heads], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(weights[0][:, rotary_heads], weights[2][:, rotary_heads], atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(weights[0][:, rotary_heads], weights[1][:, rotary_heads], atol=1e-3)
 
 
 # --- bad values: a clear error, the model unchanged ------------------------------------------------------------------
@@ -298,6 +332,12 @@ BAD = {
                                            attn_scale=float("nan")), r"LayerMix.attn_scale must be a finite number"),
     "temperature-without-nope": (lambda: ps.LayerMix(default="rope", attn_temperature_tuning=True),
                                  r"this mix has no 'none' layer"),
+    "head-split-across-kv-group": (lambda: ps.HeadMix(bias="alibi", rotary="rope", bias_heads=[1, 2]),
+                                   r"splits key/value groups \[\[0, 1\], \[2, 3\]\].*e\.g\. bias_heads=\[0, 1, 2, 3\]"),
+    "head-mix-every-head-bias": (lambda: ps.HeadMix(bias_heads=[0, 1, 2, 3]), r"covers every head, leaving none"),
+    "head-mix-rotary-as-bias": (lambda: ps.HeadMix(bias="rope"), r"HeadMix.bias must be a bias scheme"),
+    "head-out-of-range": (lambda: ps.LayerMix(overrides=[(ps.HeadMix(bias_heads=[4, 5]), [0])]),
+                          r"lists heads \[4, 5\], but the model has 4 attention heads"),
 }
 
 
@@ -368,6 +408,12 @@ def test_extend_context_scales_only_the_rope_layers() -> None:
         ps.extend_context(nope_only, 256, "yarn")
     ps.extend_context(nope_only, 256)  # no RoPE layer: 'lift' only records the length
     assert ps.describe(nope_only).context["method"] == "lift"
+    head_mix = make_model("llama")
+    ps.swap(head_mix, ps.HeadMix(bias="alibi", rotary="rope", bias_heads=[0, 1]))  # alone: on every layer
+    ps.extend_context(head_mix, 256)  # the rotary heads' RoPE is scaled, the ALiBi heads need nothing
+    scaled = head_mix._posswap_state.config.default
+    assert scaled.rotary.scaling.factor == 4.0 and scaled.bias == ps.AlibiConfig()
+    assert torch.isfinite(logits(head_mix, long)).all()
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ Cross-attention and calls without a context run unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -109,6 +110,8 @@ def scheme_inputs(
         return query, key, attention_mask
     if context.kind == "temperature":
         return temperature_queries(query, context), key, attention_mask
+    if context.kind == "head_mix":
+        return head_mix_inputs(module, query, key, attention_mask, context)
     if context.kind != "bias":
         return query, key, attention_mask
     scheme = context.positions
@@ -137,6 +140,26 @@ def scheme_inputs(
         if not merged.requires_grad:
             context.memo[memo_key] = merged
     return query, key, merged
+
+
+def head_mix_inputs(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    context: PositionContext,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A head mix (:mod:`hf_posswap.schemes.head_mix`): rotary heads of q [B, H, q, D] and k [B, Hkv, kv, D] rotated
+    (every key, out of place: the cache keeps keys unrotated, since only some heads rotate), the bias of the bias
+    heads (zero on the others) merged into the mask."""
+    scheme = context.positions
+    rotary = dataclasses.replace(context, positions=scheme.rotary, kind="rotary", cache=None)
+    rotated_query, rotated_key = rotary_inputs(module, query, key, rotary)
+    rotary_heads, rotary_kv_heads = scheme.rotary_heads(query.device)  # [H], [Hkv]
+    query = torch.where(rotary_heads[:, None, None], rotated_query, query)
+    key = torch.where(rotary_kv_heads[:, None, None], rotated_key, key)
+    bias = dataclasses.replace(context, positions=scheme.bias, kind="bias")
+    return scheme_inputs(module, query, key, attention_mask, bias)
 
 
 def temperature_queries(query: torch.Tensor, context: PositionContext) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch import nn
 from ..errors import InvalidConfigError
 from ..families.base import FamilyAdapter
 from ..schemes.base import ModelSpec, SchemeConfig
+from ..schemes.head_mix import HeadMix
 from ..schemes.mix import LayerMix
 from ..schemes.rope import RopeConfig
 from .context import LayerPlan
@@ -63,6 +64,11 @@ def native_part(model: nn.Module, adapter: FamilyAdapter) -> SchemeConfig:
     return RopeConfig(rope_theta=rope.get("rope_theta"))
 
 
+def as_layer_mix(config: SchemeConfig) -> SchemeConfig:
+    """A head mix alone acts on every layer: ``LayerMix(default=head_mix)``; other configs are returned as they are."""
+    return LayerMix(default=config) if isinstance(config, HeadMix) else config
+
+
 def mix_on_layers(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, layers: Sequence[int]) -> LayerMix:
     """``swap(model, config, layers=layers)``: ``config`` on those layers, the model's own positions elsewhere."""
     if isinstance(config, LayerMix):
@@ -77,7 +83,13 @@ def mix_on_layers(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig
 
 def scale_rope_parts(config: LayerMix, change: Callable[[RopeConfig], RopeConfig]) -> LayerMix:
     """The mix with ``change`` applied to its RoPE parts only (``extend_context``); other parts stay."""
-    return config.replace_parts(lambda part: change(part) if isinstance(part, RopeConfig) else part)
+
+    def scaled(part: SchemeConfig) -> SchemeConfig:
+        if isinstance(part, HeadMix):
+            return part.with_rotary(lambda rotary: change(rotary) if isinstance(rotary, RopeConfig) else rotary)
+        return change(part) if isinstance(part, RopeConfig) else part
+
+    return config.replace_parts(scaled)
 
 
 def describe_layers(config: Any, num_layers: int) -> dict[str, list[int]] | None:

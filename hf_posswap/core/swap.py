@@ -31,7 +31,7 @@ from ..schemes.rope import RopeConfig
 from ..schemes.rope_scaling import SelfExtend
 from .attention import CARRIERS
 from .context import POSITIONS_ATTR, PositionForward, PositionHook
-from .mix import layer_plan, mix_on_layers
+from .mix import as_layer_mix, layer_plan, mix_on_layers
 from .native import check_loaded, install_native_restorers, unwrap_peft
 from .state import (
     CONFIG_RECORD,
@@ -97,6 +97,7 @@ def swap(
     config = resolve_scheme(scheme, options)
     if layers is not None:
         config = mix_on_layers(model, adapter, config, layers)
+    config = as_layer_mix(config)  # a HeadMix alone: the same on every layer
     if isinstance(config, LayerMix):
         config.check_layers(adapter.spec(model).num_layers)  # before unswapping an earlier swap
     previous: SwapState | None = getattr(model, STATE_ATTR, None)

@@ -24,7 +24,8 @@ REMOTE_FILE = "modeling_posswap.py"
 BUNDLED = (
     "errors", "registry", "edits", "schemes/base", "schemes/rope_scaling", "schemes/learned", "schemes/sinusoidal",
     "schemes/nope", "schemes/rope", "schemes/fused_alibi", "schemes/alibi", "schemes/fused_t5", "schemes/t5",
-    "schemes/kerple", "schemes/sandwich", "schemes/fire", "schemes/mix", "schemes/xpos", "schemes/proportional",
+    "schemes/kerple", "schemes/sandwich", "schemes/fire", "schemes/head_mix", "schemes/mix", "schemes/xpos",
+    "schemes/proportional",
     "families/base", "families/gpt2", "families/bert", "families/llama", "families/gemma3",
     "families/phi3", "families/gpt_neox", "families/roberta", "core/state", "core/native",
     "core/rotary_cache", "core/context", "core/self_extend", "core/attention", "core/mix", "core/swap", "core/extend",

@@ -12,6 +12,7 @@ from .sandwich import SandwichBias, SandwichConfig
 from .fire import FireBias, FireConfig
 from .xpos import XposConfig, XposEmbedding
 from .proportional import ProportionalRopeConfig
+from .head_mix import HeadMix, HeadMixPositions
 from .mix import LayerMix, MixPositions
 
 # isort: on
@@ -36,6 +37,8 @@ __all__ = [
     "BiasPositions",
     "FireBias",
     "FireConfig",
+    "HeadMix",
+    "HeadMixPositions",
     "KerpleBias",
     "KerpleConfig",
     "LayerMix",

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..errors import InvalidConfigError
 from .base import SCHEME_REGISTRY, ModelSpec, SchemeConfig, register_scheme, require_bool, scheme_config_from_dict
+from .head_mix import HeadMix
 from .rope import RopeConfig
 
 #: part kinds a layer may carry (absolute schemes act once, on the embeddings)
@@ -77,8 +78,12 @@ class MixPositions(nn.Module):
 
 def _part_config(value: Any, where: str) -> SchemeConfig:
     """A part given as a registered name, a config, or a config's ``to_dict()``."""
-    if isinstance(value, dict):
+    if isinstance(value, dict) and value.get("scheme") == HeadMix.name:  # not registered: it lives in mixes only
+        value = HeadMix.from_options(**{key: item for key, item in value.items() if key != "scheme"})
+    elif isinstance(value, dict):
         value = scheme_config_from_dict(value)
+    elif value == HeadMix.name:
+        value = HeadMix()
     elif isinstance(value, str):
         value = SCHEME_REGISTRY.get(value)()
     if not isinstance(value, SchemeConfig):
@@ -230,7 +235,9 @@ class LayerMix(SchemeConfig):
         return dataclasses.replace(self, default=change(self.default), overrides=overrides)
 
     def rope_parts(self) -> list[RopeConfig]:
-        return [part for part, _ in self._all_parts() if isinstance(part, RopeConfig)]
+        """The RoPE configs of the mix's layers (a head mix's rotary heads included)."""
+        parts = [part.rotary if isinstance(part, HeadMix) else part for part, _ in self._all_parts()]
+        return [part for part in parts if isinstance(part, RopeConfig)]
 
     # --- building ------------------------------------------------------------------------------------------------
     def resolve(self, spec: ModelSpec) -> LayerMix:
