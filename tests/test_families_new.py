@@ -208,15 +208,16 @@ def test_native_swaps_reload_in_vanilla_transformers(tmp_path: Path) -> None:
     cases = {
         "phi3": ps.RopeConfig(partial_rotary_factor=0.5, rope_theta=2_500.0),
         "gpt_neox": ps.RopeConfig(partial_rotary_factor=0.5, scaling=ps.YarnScaling(factor=4.0)),
+        "gpt_neox-whole-heads": ps.RopeConfig(partial_rotary_factor=1.0),  # GPTNeoXConfig would fill in 0.25
         "gemma3_text": ps.RopeConfig(scaling=ps.YarnScaling(factor=4.0)),
     }
     expected = {}
-    for family, rope in cases.items():
-        model = make_model(family)
+    for name, rope in cases.items():
+        model = make_model(name.split("-")[0])
         ps.swap(model, rope)
         assert ps.describe(model).native
-        model.save_pretrained(tmp_path / family)
-        expected[family] = logits(model, LONG)
+        model.save_pretrained(tmp_path / name)
+        expected[name] = logits(model, LONG)
     torch.save({"input_ids": LONG, "expected": expected}, tmp_path / "io.pt")
     script = textwrap.dedent(
         f"""
@@ -256,3 +257,15 @@ def test_standalone_export_of_each_family_loads_without_hf_posswap(tmp_path: Pat
     ps.export_standalone(model, tmp_path / "export")
     auto = "AutoModelForMaskedLM" if family == "roberta" else "AutoModelForCausalLM"
     assert "EQUAL" in load_without_hf_posswap(tmp_path / "export", tmp_path / "io.pt", auto)
+
+
+def test_swapped_gpt_neox_checkpoint_reloads_its_head(tmp_path: Path) -> None:
+    """transformers saves GPT-NeoX's head as embed_out; the swapped checkpoint (hf_posswap_gpt_neox) renames it back."""
+    from transformers import AutoModelForCausalLM
+
+    model = make_model("gpt_neox")
+    ps.swap(model, "alibi")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert torch.equal(loaded.get_output_embeddings().weight, model.get_output_embeddings().weight)
+    assert torch.equal(logits(loaded), logits(model))
