@@ -125,6 +125,26 @@ def test_none_on_some_layers_equals_transformers_smollm3(how: str) -> None:
     assert not torch.allclose(logits(model, input_ids), logits(make_model("llama"), input_ids), atol=1e-3)
 
 
+SCALED_ROPE = {
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+}
+
+
+@pytest.mark.parametrize("rope_type", ["llama3", pytest.param("yarn", marks=pytest.mark.slow)])
+def test_layers_shorthand_keeps_a_scaled_native_rope(rope_type: str) -> None:
+    """The other layers keep the model's own RoPE, scaling included (Llama 3.x checkpoints carry llama3 scaling)."""
+    model = make_model("llama")
+    model.config.rope_parameters = dict(SCALED_ROPE[rope_type])
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    reference = smollm3_copy(model, [1, 0, 1, 1])
+    ps.swap(model, "none", layers=[1])
+    assert model._posswap_state.config.default.scaling.method == rope_type
+    input_ids = tokens(2, 40)
+    torch.testing.assert_close(logits(model, input_ids), logits(reference, input_ids), atol=1e-5, rtol=1e-5)
+
+
 def llama4_reference(llama: torch.nn.Module, nope: list[int], floor_scale: int, attn_scale: float) -> torch.nn.Module:
     """The LLaMA with transformers' own ``Llama4TextAttention`` (NoPE layer, temperature on) in the NoPE layers."""
     from transformers import Llama4TextConfig

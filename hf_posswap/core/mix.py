@@ -11,6 +11,7 @@ paths run per layer unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +23,11 @@ from ..schemes.base import ModelSpec, SchemeConfig
 from ..schemes.head_mix import HeadMix
 from ..schemes.mix import LayerMix
 from ..schemes.rope import RopeConfig
+from ..schemes.rope_scaling import SCALING_REGISTRY
 from .context import LayerPlan
+
+#: transformers rope types that hf_posswap's scalings express with the same fields
+NATIVE_SCALINGS = ("linear", "dynamic", "yarn", "longrope", "llama3")
 
 
 def layer_plan(
@@ -54,14 +59,19 @@ def native_part(model: nn.Module, adapter: FamilyAdapter) -> SchemeConfig:
             "hf_posswap.LayerMix(default='rope', overrides={'none': [...]}))."
         )
     rope = dict(getattr(model.config, "rope_parameters", None) or {})
-    if rope.get("rope_type", "default") != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
+    rope_type = rope.get("rope_type", "default")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0 or rope_type not in ("default", *NATIVE_SCALINGS):
         raise InvalidConfigError(
             f"swap(model, ..., layers=[...]) keeps the model's own RoPE on the other layers, and this model's "
-            f"rope_parameters {rope} have a scaling hf_posswap cannot rebuild per layer from the config alone. Give "
-            "the default explicitly: hf_posswap.LayerMix(default=hf_posswap.RopeConfig(scaling=...), "
-            "overrides=...)."
+            f"rope_parameters {rope} cannot be rebuilt per layer (partial rotary, or rope_type '{rope_type}'; "
+            f"kept: default, {', '.join(NATIVE_SCALINGS)}). Give the default explicitly: "
+            "hf_posswap.LayerMix(default=hf_posswap.RopeConfig(...), overrides=...)."
         )
-    return RopeConfig(rope_theta=rope.get("rope_theta"))
+    scaling = None
+    if rope_type != "default":  # the same scaling, with transformers' own field names
+        known = {field.name for field in dataclasses.fields(SCALING_REGISTRY.get(rope_type))}
+        scaling = SCALING_REGISTRY.get(rope_type).from_options(**{k: v for k, v in rope.items() if k in known})
+    return RopeConfig(rope_theta=rope.get("rope_theta"), scaling=scaling)
 
 
 def as_layer_mix(config: SchemeConfig) -> SchemeConfig:
