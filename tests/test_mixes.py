@@ -529,3 +529,22 @@ def test_irope_example_runs(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "layer_mix" in result.stdout and "none + attention temperature" in result.stdout
     assert "extended from 64 to 256 tokens with 'yarn'" in result.stdout
+
+
+@pytest.mark.slow
+def test_finetune_command_swaps_to_a_mix(tmp_path: Path) -> None:
+    """``hf-posswap finetune --scheme layer_mix --scheme-option overrides=...`` (options are JSON)."""
+    from conftest import save_tiny_checkpoint, write_corpus
+    from transformers import AutoModelForCausalLM
+
+    save_tiny_checkpoint("llama", tmp_path / "plain")
+    (tmp_path / "corpus").mkdir()
+    write_corpus(tmp_path / "corpus", documents=5)
+    command = [sys.executable, "-m", "hf_posswap", "finetune", "--model", str(tmp_path / "plain"), "--data",
+               str(tmp_path / "corpus" / "*.txt"), "--output", str(tmp_path / "run"), "--scheme", "layer_mix",
+               "--scheme-option", 'overrides={"none": [1]}', "--scheme-option", "attn_temperature_tuning=true",
+               "--steps", "2", "--seq-len", "32", "--batch-size", "2", "--no-progress"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    layers = ps.describe(AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")).layers
+    assert list(layers.values()) == [[0], [1]] and "attention temperature" in list(layers)[1]
