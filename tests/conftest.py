@@ -20,6 +20,8 @@ from transformers import (
     GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     RobertaConfig,
@@ -83,12 +85,18 @@ def tiny_config(family: str):
             max_position_embeddings=MAX_POSITIONS + 2, type_vocab_size=1, hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
         )
+    if family == "olmo2":  # LLaMA's adapter (q/k norm over whole projections, before RoPE); not in FAMILIES (CI time)
+        return Olmo2Config(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, max_position_embeddings=MAX_POSITIONS, rope_theta=10_000.0,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )
     raise ValueError(family)
 
 
 MODEL_CLASSES = {"gpt2": GPT2LMHeadModel, "bert": BertForMaskedLM, "llama": LlamaForCausalLM,
                  "gemma3_text": Gemma3ForCausalLM, "phi3": Phi3ForCausalLM, "gpt_neox": GPTNeoXForCausalLM,
-                 "roberta": RobertaForMaskedLM}
+                 "roberta": RobertaForMaskedLM, "olmo2": Olmo2ForCausalLM}
 
 
 def make_model(family: str, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:

@@ -21,7 +21,7 @@ import hf_posswap as ps
 from hf_posswap.errors import UnsupportedFamilyError
 from hf_posswap.families import get_family
 
-ROTARY = {"gemma3_text": 1.0, "phi3": 0.5, "gpt_neox": 0.25}  # family -> its own rotated fraction (tiny configs)
+ROTARY = {"gemma3_text": 1.0, "phi3": 0.5, "gpt_neox": 0.25, "olmo2": 1.0}  # own rotated fraction (tiny configs)
 INPUT = torch.randint(3, VOCAB, (2, 30), generator=torch.Generator().manual_seed(0))
 LONG = torch.randint(3, VOCAB, (1, 100), generator=torch.Generator().manual_seed(1))
 
@@ -210,6 +210,7 @@ def test_native_swaps_reload_in_vanilla_transformers(tmp_path: Path) -> None:
         "gpt_neox": ps.RopeConfig(partial_rotary_factor=0.5, scaling=ps.YarnScaling(factor=4.0)),
         "gpt_neox-whole-heads": ps.RopeConfig(partial_rotary_factor=1.0),  # GPTNeoXConfig would fill in 0.25
         "gemma3_text": ps.RopeConfig(scaling=ps.YarnScaling(factor=4.0)),
+        "olmo2": ps.RopeConfig(scaling=ps.YarnScaling(factor=4.0)),
     }
     expected = {}
     for name, rope in cases.items():
@@ -269,3 +270,27 @@ def test_swapped_gpt_neox_checkpoint_reloads_its_head(tmp_path: Path) -> None:
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert torch.equal(loaded.get_output_embeddings().weight, model.get_output_embeddings().weight)
     assert torch.equal(logits(loaded), logits(model))
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "t5", "rope"])
+def test_olmo2_runs_through_llamas_adapter(scheme: str) -> None:
+    """OLMo 2 (LLaMA's adapter, q/k RMSNorm over whole projections): cached generation equals a full recompute and a
+    left-padded row equals the row alone. The whole family x scheme matrix passed once for olmo2 (see the issue
+    note); it is not in conftest.FAMILIES to keep CI time down."""
+    from conftest import scheme_config
+
+    model = make_model("olmo2")
+    ps.swap(model, scheme_config(scheme))
+    assert ps.describe(model).native == (scheme == "rope")
+    prompt = INPUT[:1, :8]
+    kwargs = {"do_sample": False, "pad_token_id": 0, "max_new_tokens": 8, "return_dict_in_generate": True,
+              "output_logits": True}
+    cached = model.generate(prompt, use_cache=True, **kwargs)
+    recomputed = model.generate(prompt, use_cache=False, **kwargs)
+    assert torch.equal(cached.sequences, recomputed.sequences)
+    torch.testing.assert_close(torch.stack(cached.logits), torch.stack(recomputed.logits), atol=1e-5, rtol=1e-4)
+    batch, mask = INPUT[:, :12].clone(), torch.ones(2, 12, dtype=torch.long)
+    batch[1, :5], mask[1, :5] = 0, 0
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    together = logits(model, batch, attention_mask=mask, position_ids=position_ids)
+    torch.testing.assert_close(together[1, 5:], logits(model, batch[1:, 5:])[0], atol=1e-5, rtol=1e-4)

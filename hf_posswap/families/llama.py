@@ -20,7 +20,7 @@ from .base import FamilyAdapter, register_family
 @register_family
 class LlamaAdapter(FamilyAdapter):
     name = "llama"
-    model_types = ("llama", "mistral", "qwen2", "qwen3")
+    model_types = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
     native_positions = "RoPE (model.rotary_emb, config.rope_parameters)"
     lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj")
     rotary_module_path = "rotary_emb"
