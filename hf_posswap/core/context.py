@@ -44,7 +44,7 @@ class LayerPlan:
     kinds: tuple[str, ...]
     parts: tuple[int, ...]
     shared: tuple[bool, ...]
-    self_extend: tuple[tuple[int, int, int] | None, ...]
+    self_extend: tuple[Any, ...]  # per layer: the part's two-pass settings (Self-Extend, ReRoPE) or None
 
     @property
     def needs_padded_positions(self) -> bool:

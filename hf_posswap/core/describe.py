@@ -87,7 +87,8 @@ def describe(model: nn.Module) -> PositionDescription:
     settings = {key: value for key, value in state.config.to_dict().items() if key != "scheme"}
     layers = describe_layers(state.config, model.config.num_hidden_layers)
     if layers is not None:  # a layer mix: its parts are listed per layer; its own settings are the temperature's
-        settings = {key: value for key, value in settings.items() if key not in ("default", "overrides")}
+        tuned = settings.get("attn_temperature_tuning")
+        settings = {key: value for key, value in settings.items() if tuned and key not in ("default", "overrides")}
     return PositionDescription(
         model_class=type(model).__name__,
         family=state.family,
