@@ -456,10 +456,11 @@ def test_checkpoint_round_trip_gives_identical_logits(tmp_path: Path, key: str) 
 
 
 @pytest.mark.slow
-def test_standalone_export_reloads_without_hf_posswap(tmp_path: Path) -> None:
+@pytest.mark.parametrize("key", ["llama-irope", "llama-headmix-alibi-rope"])
+def test_standalone_export_reloads_without_hf_posswap(tmp_path: Path, key: str) -> None:
     from test_export import load_without_hf_posswap
 
-    model = mixed("llama-irope")
+    model = mixed(key)
     ps.extend_context(model, 256)
     input_ids = tokens(1, 120)
     torch.save({"input_ids": input_ids, "expected": logits(model, input_ids)}, tmp_path / "io.pt")
