@@ -207,6 +207,8 @@ FAST_SUBSET = {
     "test_call_paths.py::test_peft_wrapped_model_runs_the_scheme_on_every_path": {"t5"},
     "test_call_paths.py::test_self_extend_with_explicit_position_ids": {"llama"},
     "test_identity.py::test_unswap_restores_exactly": DIAGONAL | NEW_FAMILIES,
+    "test_new_schemes.py::test_attention_weights_are_the_peers_bias": {  # the families it had; new ones in CI
+        f"{f}-{s}" for f in ("gpt2", "bert", "llama") for s in ("kerple", "sandwich", "fire")},
     "test_checkpoints.py::test_round_trip_through_auto_classes": DIAGONAL | {"gpt2-proportional"},
     "test_checkpoints.py::test_extended_models_round_trip": {"gpt2-rope-256-yarn", "bert-learned-160-interpolate",
                                                              "llama-t5-300-lift"},
