@@ -78,9 +78,9 @@ def test_roberta_positions_start_after_the_padding_index() -> None:
 @pytest.mark.parametrize(("family", "scaling"), [
     ("phi3", ps.LongRopeScaling(factor=4.0, short_factor=[1.0] * 4, long_factor=[1.5, 2.0, 3.0, 4.0])),
     ("gpt_neox", ps.YarnScaling(factor=4.0)),
-    ("gpt_neox", ps.DynamicNTKScaling(factor=4.0)),
+    pytest.param("gpt_neox", ps.DynamicNTKScaling(factor=4.0), marks=pytest.mark.slow),
     ("gemma3_text", ps.YarnScaling(factor=4.0)),
-    ("gemma3_text", ps.LinearScaling(factor=8.0)),
+    pytest.param("gemma3_text", ps.LinearScaling(factor=8.0), marks=pytest.mark.slow),
 ], ids=lambda value: value if isinstance(value, str) else type(value).__name__)
 def test_native_rope_swaps_equal_the_model_transformers_builds(family: str, scaling: ps.RopeScaling) -> None:
     model = make_model(family)
@@ -101,9 +101,9 @@ def test_phi3_takes_only_default_and_longrope_natively() -> None:
 
 @pytest.mark.parametrize(("family", "rope"), [
     ("gpt_neox", ps.RopeConfig(partial_rotary_factor=0.25, scaling=ps.YarnScaling(factor=4.0))),
-    ("gpt_neox", ps.RopeConfig(rope_theta=500.0, partial_rotary_factor=0.5)),
+    pytest.param("gpt_neox", ps.RopeConfig(rope_theta=500.0, partial_rotary_factor=0.5), marks=pytest.mark.slow),
     ("phi3", ps.RopeConfig(partial_rotary_factor=0.5)),
-    ("gemma3_text", ps.RopeConfig(rope_theta=1_000_000.0)),
+    pytest.param("gemma3_text", ps.RopeConfig(rope_theta=1_000_000.0), marks=pytest.mark.slow),
 ], ids=["gpt_neox-yarn", "gpt_neox-half", "phi3-own", "gemma3_text-global"])
 def test_partial_rope_inside_attention_equals_the_familys_own(
     family: str, rope: ps.RopeConfig, monkeypatch: pytest.MonkeyPatch
@@ -272,7 +272,8 @@ def test_swapped_gpt_neox_checkpoint_reloads_its_head(tmp_path: Path) -> None:
     assert torch.equal(logits(loaded), logits(model))
 
 
-@pytest.mark.parametrize("scheme", ["alibi", "t5", "rope"])
+@pytest.mark.parametrize("scheme", ["alibi", pytest.param("t5", marks=pytest.mark.slow),
+                                    pytest.param("rope", marks=pytest.mark.slow)])
 def test_olmo2_runs_through_llamas_adapter(scheme: str) -> None:
     """OLMo 2 (LLaMA's adapter, q/k RMSNorm over whole projections): cached generation equals a full recompute and a
     left-padded row equals the row alone. The whole family x scheme matrix passed once for olmo2 (see the issue
