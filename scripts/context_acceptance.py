@@ -11,9 +11,12 @@ Each method runs in its own process, so its peak memory (the process's VmHWM: lo
 own; the table gives time and peak memory also as ratios to ``none`` (the unscaled model) measured in the same
 run. Self-Extend uses the library's defaults for factor 4, which follow the paper (Jin et al. 2024): neighbour
 window = a quarter of the trained length (the paper's 1,024 for Llama-2's 4,096), the smallest group size whose
-reach (L0 - W) * G + W covers the target: W = 2,048, G = 5 here.
+reach (L0 - W) * G + W covers the target: W = 2,048, G = 5 here. ReRoPE (``rerope``, Su 2023) uses its defaults
+too: window w = a quarter of the trained length (2,048; the reference's ReRoPE-w1024 on 4k LLaMA 2), every key
+farther than w at distance w, without the reference's log-n query scaling. A method may carry options:
+``rerope:leaky_factor=16`` (Leaky ReRoPE with the reference's k = 16).
 
-    python scripts/context_acceptance.py [--methods none yarn dynamic self_extend] [--output results.json]
+    python scripts/context_acceptance.py [--methods none yarn dynamic self_extend rerope] [--output results.json]
 """
 
 from __future__ import annotations
@@ -65,6 +68,13 @@ def peak_rss_mib() -> float:
     return float("nan")
 
 
+def method_options(method: str) -> tuple[str, dict]:
+    """``rerope:leaky_factor=16`` -> ("rerope", {"leaky_factor": 16}): a method with options (JSON values)."""
+    name, _, rest = method.partition(":")
+    options = dict(item.split("=", 1) for item in rest.split(",") if item)
+    return name, {key: json.loads(value) for key, value in options.items()}
+
+
 def measure(method: str) -> dict:
     """Perplexity, forward seconds and process peak memory of one method (run in a fresh process)."""
     path = smollm2_dir()
@@ -72,7 +82,8 @@ def measure(method: str) -> dict:
     input_ids = reference_ids(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if method != "none":
-        ps.extend_context(model, TARGET, method)
+        name, options = method_options(method)
+        ps.extend_context(model, TARGET, name, **options)
     settings = ps.describe(model).settings.get("scaling") if method != "none" else None
     before = peak_rss_mib()
     started = time.perf_counter()
