@@ -32,6 +32,8 @@ class FamilyAdapter:
     absolute_table_path: ClassVar[str | None] = None
     #: dotted path, under the base model, of the native rotary module (None: the family has none)
     rotary_module_path: ClassVar[str | None] = None
+    #: how a RoPE swap is carried when the family has a rotary module (the README's support matrix cell)
+    native_rope_support: ClassVar[str] = "native: config.rope_parameters (partial: in attention)"
 
     # --- structure --------------------------------------------------------------------------------------------
     def base_model(self, model: nn.Module) -> nn.Module:

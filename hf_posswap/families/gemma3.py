@@ -36,6 +36,7 @@ class Gemma3Adapter(FamilyAdapter):
     native_positions = "RoPE per layer type (model.rotary_emb, config.rope_parameters by layer_types)"
     lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj")
     rotary_module_path = "rotary_emb"
+    native_rope_support = "native: the global layers' rope_parameters, local layers kept (partial: in attention)"
 
     def spec(self, model: nn.Module) -> ModelSpec:
         """The global layers' θ is the model's own base (the one ``RopeConfig(rope_theta=None)`` keeps)."""

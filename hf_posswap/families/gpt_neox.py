@@ -47,6 +47,7 @@ class GPTNeoXAdapter(FamilyAdapter):
     native_positions = "partial RoPE (gpt_neox.rotary_emb, config.rope_parameters)"
     lora_target_modules = ("query_key_value", "dense")
     rotary_module_path = "rotary_emb"
+    native_rope_support = "native: config.rope_parameters, partial too"
 
     def native_rope_edits(self, model: nn.Module, config: RopeConfig) -> list[Edit] | None:
         return native_partial_rope_edits(model, self.base_model(model), config, self.spec(model).head_dim)

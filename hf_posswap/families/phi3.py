@@ -26,6 +26,7 @@ class Phi3Adapter(FamilyAdapter):
     native_positions = "partial RoPE (model.rotary_emb, config.rope_parameters)"
     lora_target_modules = ("qkv_proj", "o_proj")
     rotary_module_path = "rotary_emb"
+    native_rope_support = "native for default/longrope, partial too (rope_parameters); other scalings in attention"
 
     def native_rope_edits(self, model: nn.Module, config: RopeConfig) -> list[Edit] | None:
         head_dim = self.spec(model).head_dim
