@@ -1,14 +1,17 @@
 """Protocol A (docs/benchmarks.md): length generalization of tiny models trained from scratch, one per position scheme.
 
 Each model is a LLaMA-shaped byte-level decoder built from a config; its position scheme is set with
-``hf_posswap.swap`` (RoPE is the model's own). It is trained at length L on Python's documentation topics plus ~20 %
-synthetic passkey and copy sequences, then evaluated at 1x, 2x, 4x and 8x L with the library's own evaluation:
+``hf_posswap.swap`` (RoPE is the model's own; ``X+concat`` is scheme X with ``combine="concat"``; ``nope-interleaved``
+is the SmolLM3 preset). It is trained at length L on Python's documentation topics plus 60 % synthetic passkey and
+copy sequences, then evaluated at 1x, 2x, 4x and 8x L with the library's own evaluation:
 non-overlapping NLL, tail NLL (only positions past L), sliding-window NLL and passkey accuracy by depth. The RoPE
 model is then extended with every RoPE scaling (``hf_posswap.extend_context``), evaluated zero-shot, fine-tuned
 briefly at the target length and evaluated again.
 
-    python scripts/bench_tiny.py --quick                 # one seed, small budget (under 15 min on 2 cores)
-    python scripts/bench_tiny.py                         # full: several seeds, longer training
+    python scripts/bench_tiny.py --quick                 # one seed, small budget, 8 runs (about 15 min on 2 cores)
+    python scripts/bench_tiny.py                         # full: 3 seeds, L = 256, 10,000 steps, every run
+    python scripts/bench_tiny.py --device cuda --jobs 16 # full on one GPU, 16 runs at a time (~8 min per seed, H100)
+    python scripts/bench_tiny.py --report a.json b.json  # redraw table and plot, merging runs of other seeds
     python scripts/bench_tiny.py --quick --readme README.md   # also refresh the README section and its plot
 """
 
@@ -40,7 +43,13 @@ FILLER = "Grass grows. Birds fly. Rain falls. Wind blows. Rivers run. Stars shin
 
 ANSWER_TOKENS = 8  # " 12345." plus the one token greedy decoding reads past it
 
-SCHEMES = ("learned", "sinusoidal", "none", "rope", "alibi", "t5")
+#: every run's label; "X+concat" is scheme X with combine="concat"; "nope-interleaved" is the SmolLM3 preset (NoPE on
+#: every 2nd layer of the 2-layer model, RoPE on the others). Runs whose scheme is not registered are left out.
+RUNS = ("learned", "learned+concat", "sinusoidal", "sinusoidal+concat", "none", "rope", "alibi", "t5", "kerple",
+        "sandwich", "fire", "xpos", "proportional", "nope-interleaved")
+#: --quick's default runs: the six of the first table plus the two concatenations (add vs concat); every run in RUNS
+#: would take about 25 minutes on 2 cores (--schemes picks any)
+QUICK_RUNS = ("learned", "learned+concat", "sinusoidal", "sinusoidal+concat", "none", "rope", "alibi", "t5")
 SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3", "longrope", "self_extend")
 
 
@@ -66,10 +75,26 @@ class Settings:
     finetune_batch: int = 4
     finetune_lr: float = 1e-3
     seeds: tuple[int, ...] = (0,)
+    passkey_share: float = 0.5  # of the synthetic sequences, the share that are passkey examples (the rest: copy)
+    decay_from: float = 0.8  # the learning rate decays linearly to 10 % over the steps after this share of them
+
+
+def available_runs() -> tuple[str, ...]:
+    """The runs of RUNS whose schemes (and, for "nope-interleaved", the presets) this hf_posswap has."""
+    schemes = set(ps.available_schemes())
+
+    def available(label: str) -> bool:
+        if label == "nope-interleaved":
+            return hasattr(ps, "smollm3_nope")
+        return label.split("+")[0] in schemes
+
+    return tuple(label for label in RUNS if available(label))
 
 
 QUICK = Settings()
-FULL = Settings(length=256, steps=6000, depths=(0.0, 0.25, 0.5, 0.75, 1.0), trials=10, max_windows=16,
+# 10,000 steps: at L = 256 in-distribution retrieval appears abruptly, between 4,000 and 6,000 steps (probes every
+# 1,000 steps, seed 0, H100); 6,000 left no margin for other seeds
+FULL = Settings(length=256, steps=10_000, depths=(0.0, 0.25, 0.5, 0.75, 1.0), trials=10, max_windows=16,
                 finetune_steps=200, seeds=(0, 1, 2))
 
 
@@ -98,14 +123,17 @@ def copy_example(tokenizer, length: int, rng: random.Random) -> list[int]:  # sa
     return tokenizer(chunk * (length // len(chunk) + 1), add_special_tokens=False)["input_ids"][:length]
 
 
-def batches(tokenizer, train_ids: torch.Tensor, length: int, batch: int, synthetic: float, seed: int) -> Iterator:
-    """Endless [batch, length] batches: corpus crops, and with probability ``synthetic`` a passkey / copy example."""
+def batches(
+    tokenizer, train_ids: torch.Tensor, length: int, batch: int, synthetic: float, seed: int, passkey_share: float = 0.5
+) -> Iterator:
+    """Endless [batch, length] batches: corpus crops, and with probability ``synthetic`` a passkey example
+    (``passkey_share`` of them) or a copy example."""
     rng = random.Random(seed)
     while True:
         rows = []
         for _ in range(batch):
             if rng.random() < synthetic:
-                make = passkey_example if rng.random() < 0.5 else copy_example
+                make = passkey_example if rng.random() < passkey_share else copy_example
                 rows.append(make(tokenizer, length, rng))
             else:
                 start = rng.randrange(0, train_ids.numel() - length)
@@ -116,7 +144,7 @@ def batches(tokenizer, train_ids: torch.Tensor, length: int, batch: int, synthet
 # --- models and training ----------------------------------------------------------------------------------------
 
 
-def build_model(settings: Settings, scheme: str, seed: int) -> torch.nn.Module:
+def build_model(settings: Settings, label: str, seed: int, device: str = "cpu") -> torch.nn.Module:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=BYTE_VOCAB_SIZE,
@@ -131,21 +159,42 @@ def build_model(settings: Settings, scheme: str, seed: int) -> torch.nn.Module:
     )
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config)
-    if scheme != "rope":  # RoPE is LLaMA's own scheme
-        ps.swap(model, scheme)
-    return model
+    if label == "nope-interleaved":
+        ps.swap(model, ps.smollm3_nope(model, no_rope_layer_interval=2))
+    elif label.endswith("+concat"):
+        ps.swap(model, label.split("+")[0], combine="concat")
+    elif label != "rope":  # RoPE is LLaMA's own scheme
+        ps.swap(model, label)
+    return model.to(device)
 
 
-def train(model: torch.nn.Module, data: Iterator, steps: int, lr: float, desc: str) -> list[float]:
-    """AdamW; warm-up over 5 % of the steps, constant, then linear decay to 10 % over the last 20 % (a
-    warmup-stable-decay schedule: retrieval circuits form late, and an early decay delayed them in probes).
-    Returns the loss per step."""
+def tile_learned_table(model: torch.nn.Module, length: int) -> None:
+    """Grow a learned table to ``length`` rows by tiling it (rows < L, so 1x, are unchanged). ``extend_context`` does
+    this for an added table; for a concatenated one it cannot yet (it would lose the projection), so the table inside
+    the concatenation is tiled here the same way (``grow_table``, method ``copy``)."""
+    from hf_posswap.core.extend import grow_table
+
+    module = getattr(model.model, "posswap_positions", None)
+    table = getattr(module, "positions", None)
+    if table is None:
+        ps.extend_context(model, length, "copy")
+        return
+    table.weight = torch.nn.Parameter(grow_table(table.weight.detach(), length, "copy"))
+
+
+def train(
+    model: torch.nn.Module, data: Iterator, steps: int, lr: float, desc: str, probe: Callable[[], float] | None = None,
+    probe_every: int = 0, decay_from: float = 0.8,
+) -> tuple[list[float], list[list[float]]]:
+    """AdamW; warm-up over 5 % of the steps, constant, then linear decay to 10 % from ``decay_from`` of the steps
+    on (a warmup-stable-decay schedule: retrieval circuits form late, and an early decay delayed them in probes).
+    Returns the loss per step and, every ``probe_every`` steps, [step, probe()] (in-distribution passkey)."""
     from tqdm.auto import tqdm
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     warmup = max(1, steps // 20)
 
-    decay_from = int(0.8 * steps)
+    decay_from = int(decay_from * steps)
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -155,11 +204,12 @@ def train(model: torch.nn.Module, data: Iterator, steps: int, lr: float, desc: s
         return 1.0 - 0.9 * (step - decay_from) / max(1, steps - decay_from)
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    device = next(model.parameters()).device
     model.train()
-    losses = []
-    bar = tqdm(range(steps), desc=desc, leave=False)
-    for _ in bar:
-        input_ids = next(data)
+    losses, curve = [], []
+    bar = tqdm(range(steps), desc=desc, leave=False, disable=None)
+    for step in bar:
+        input_ids = next(data).to(device)
         loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -168,8 +218,12 @@ def train(model: torch.nn.Module, data: Iterator, steps: int, lr: float, desc: s
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if probe is not None and probe_every and (step + 1) % probe_every == 0:
+            model.eval()
+            curve.append([step + 1, probe()])
+            model.train()
     model.eval()
-    return losses
+    return losses, curve
 
 
 # --- evaluation -------------------------------------------------------------------------------------------------
@@ -217,53 +271,130 @@ def extend_rope(model: torch.nn.Module, method: str, settings: Settings) -> torc
 # --- the benchmark --------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One unit of work: train and measure ``label`` for ``seed``, or (``method`` set) extend that seed's trained RoPE
+    model with ``method`` (zero-shot and fine-tuned rows)."""
+
+    label: str
+    seed: int
+    method: str | None = None
+
+
+def train_and_measure(settings: Settings, task: Task, device: str, probe_every: int, state_dir: Path | None) -> dict:
+    """Train ``task.label`` from scratch and measure it (tiling a learned table to reach past L)."""
+    if device != "cpu":  # several workers share the machine; the GPU does the arithmetic
+        torch.set_num_threads(1)
+    tokenizer = byte_tokenizer()
+    train_ids, heldout = corpus_split(tokenizer)
+    started = time.time()
+    model = build_model(settings, task.label, task.seed, device)
+    data = batches(tokenizer, train_ids, settings.length, settings.batch, settings.synthetic, task.seed,
+                   settings.passkey_share)
+
+    def probe() -> float:  # in-distribution passkey, fewer keys than the evaluation (other keys: seed 1)
+        depths = (0.0, 0.5, 1.0)
+        return statistics.mean(passkey_accuracy(model, tokenizer, settings.length - ANSWER_TOKENS, depth, 4, seed=1,
+                                                filler=FILLER).accuracy for depth in depths)
+
+    losses, curve = train(model, data, settings.steps, settings.lr, f"{task.label} seed {task.seed}", probe,
+                          probe_every, settings.decay_from)
+    if task.label == "rope" and state_dir is not None:
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, state_dir / f"rope-seed{task.seed}.pt")
+    if task.label.startswith("learned"):  # a learned table has no rows past L: tile it (1x is unchanged)
+        tile_learned_table(model, max(settings.factors) * settings.length)
+    row = measure(model, tokenizer, heldout, settings)
+    row["final_loss"] = statistics.mean(losses[-20:])
+    row["seconds"] = time.time() - started
+    if curve:
+        row["probe"] = curve
+    return row
+
+
+def extend_and_measure(settings: Settings, task: Task, device: str, state_dir: Path) -> tuple[dict, dict]:
+    """The seed's trained RoPE model extended with ``task.method``: measured zero-shot, fine-tuned, measured again."""
+    if device != "cpu":  # several workers share the machine; the GPU does the arithmetic
+        torch.set_num_threads(1)
+    tokenizer = byte_tokenizer()
+    train_ids, heldout = corpus_split(tokenizer)
+    started = time.time()
+    model = build_model(settings, "rope", task.seed, device)
+    model.load_state_dict(torch.load(state_dir / f"rope-seed{task.seed}.pt", map_location=device))
+    extend_rope(model, task.method, settings).eval()
+    zero_shot = measure(model, tokenizer, heldout, settings)
+    data = batches(tokenizer, train_ids, settings.extend_factor * settings.length, settings.finetune_batch,
+                   settings.synthetic, task.seed + 1000, settings.passkey_share)
+    train(model, data, settings.finetune_steps, settings.finetune_lr, f"fine-tune {task.method}")
+    tuned = measure(model, tokenizer, heldout, settings)
+    tuned["seconds"] = time.time() - started
+    return zero_shot, tuned
+
+
+def _do(settings: Settings, task: Task, device: str, probe_every: int, state_dir: Path) -> tuple[Task, list[dict]]:
+    """A worker's entry point (top level, so a spawned process can import it)."""
+    if task.method is None:
+        return task, [train_and_measure(settings, task, device, probe_every, state_dir)]
+    return task, list(extend_and_measure(settings, task, device, state_dir))
+
+
 def run(
     settings: Settings,
     schemes: tuple[str, ...],
     scalings: tuple[str, ...],
     log: Callable[[str], None],
     partial: Path | None = None,
+    device: str = "cpu",
+    jobs: int = 1,
+    probe_every: int = 0,
 ) -> dict:
-    tokenizer = byte_tokenizer()
-    train_ids, heldout = corpus_split(tokenizer)
-    results: dict = {"settings": dataclasses.asdict(settings), "runs": {}}
+    """Every (run, seed), then every (RoPE scaling, seed) once that seed's RoPE model is trained; ``jobs`` > 1 runs
+    that many tasks at once in spawned processes (tiny models leave a GPU mostly idle). Rows come out in a fixed
+    order whatever the order the tasks finish in."""
+    import tempfile
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-    def record(label: str, seed: int, row: dict) -> None:
-        results["runs"].setdefault(label, []).append(row)
+    results: dict = {"settings": dataclasses.asdict(settings), "runs": {}}
+    done: dict[tuple[str, int], dict] = {}
+    order = [(label, seed) for label in schemes for seed in settings.seeds]
+    scaled = [label for method in scalings for label in (f"rope+{method} (zero-shot)", f"rope+{method} (fine-tuned)")]
+    order += [(label, seed) for label in scaled for seed in settings.seeds] if "rope" in schemes else []
+
+    def record(task: Task, rows: list[dict]) -> None:
+        labels = [task.label] if task.method is None else [
+            f"rope+{task.method} (zero-shot)", f"rope+{task.method} (fine-tuned)"]
+        for label, row in zip(labels, rows, strict=True):
+            done[(label, task.seed)] = row
+            summary = ", ".join(f"{f}x {row['windows'][f]:.2f}/{row['passkey'][f]:.0%}" for f in settings.factors)
+            log(f"  {label:28s} seed {task.seed}: ppl/passkey {summary}")
+        results["runs"] = {}
+        for label, seed in order:
+            if (label, seed) in done:
+                results["runs"].setdefault(label, []).append(done[(label, seed)])
         if partial is not None:  # keep what finished if a later run fails
             partial.write_text(json.dumps(results, indent=2), encoding="utf-8")
-        summary = ", ".join(f"{f}x {row['windows'][f]:.2f}/{row['passkey'][f]:.0%}" for f in settings.factors)
-        log(f"  {label:28s} seed {seed}: ppl/passkey {summary}")
 
-    for seed in settings.seeds:
-        rope_state = None
-        for scheme in schemes:
-            started = time.time()
-            model = build_model(settings, scheme, seed)
-            data = batches(tokenizer, train_ids, settings.length, settings.batch, settings.synthetic, seed)
-            losses = train(model, data, settings.steps, settings.lr, f"{scheme} seed {seed}")
-            if scheme == "learned":  # a learned table has no rows past L: tile it (rows < L, so 1x, are unchanged)
-                ps.extend_context(model, max(settings.factors) * settings.length, "copy")
-            row = measure(model, tokenizer, heldout, settings)
-            row["final_loss"] = statistics.mean(losses[-20:])
-            row["seconds"] = time.time() - started
-            record(scheme, seed, row)
-            if scheme == "rope":
-                rope_state = {k: v.clone() for k, v in model.state_dict().items()}
-        if rope_state is None:
-            continue
-        for method in scalings:
-            started = time.time()
-            model = build_model(settings, "rope", seed)
-            model.load_state_dict(rope_state)
-            extend_rope(model, method, settings).eval()
-            record(f"rope+{method} (zero-shot)", seed, measure(model, tokenizer, heldout, settings))
-            data = batches(tokenizer, train_ids, settings.extend_factor * settings.length, settings.finetune_batch,
-                           settings.synthetic, seed + 1000)
-            train(model, data, settings.finetune_steps, settings.finetune_lr, f"fine-tune {method}")
-            row = measure(model, tokenizer, heldout, settings)
-            row["seconds"] = time.time() - started
-            record(f"rope+{method} (fine-tuned)", seed, row)
+    def follow_ups(task: Task) -> list[Task]:
+        return [Task("rope", task.seed, m) for m in scalings] if task.label == "rope" and task.method is None else []
+
+    tasks = [Task(label, seed) for seed in settings.seeds for label in schemes]
+    with tempfile.TemporaryDirectory() as state_dir:
+        if jobs <= 1:
+            while tasks:
+                task = tasks.pop(0)
+                record(*_do(settings, task, device, probe_every, Path(state_dir)))
+                tasks[:0] = follow_ups(task)
+            return results
+        import multiprocessing
+
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            pending = {pool.submit(_do, settings, t, device, probe_every, Path(state_dir)) for t in tasks}
+            while pending:
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    task, rows = future.result()
+                    record(task, rows)
+                    pending |= {pool.submit(_do, settings, t, device, probe_every, Path(state_dir))
+                                for t in follow_ups(task)}
     return results
 
 
@@ -285,7 +416,8 @@ def markdown(results: dict) -> str:
         f"{settings.heads} heads of dim {settings.hidden // settings.heads}, {settings.kv_heads} kv heads) trained "
         "from "
         f"scratch at L = {L} for {settings.steps} steps (batch {settings.batch}, lr {settings.lr}) on pydoc topics + "
-        f"{settings.synthetic:.0%} synthetic passkey/copy sequences; seeds {', '.join(map(str, settings.seeds))}"
+        f"{settings.synthetic:.0%} synthetic sequences ({settings.passkey_share:.0%} of them passkey, the rest "
+        f"copy); seeds {', '.join(map(str, settings.seeds))}"
         f"{' (mean ± std)' if len(settings.seeds) > 1 else ''}. Perplexity on the held-out last 10 % of the topics "
         f"(≤ {settings.max_windows} windows per length); passkey: {settings.trials} keys x depths "
         f"{', '.join(f'{d:g}' for d in settings.depths)}. RoPE scalings extend the RoPE model to "
@@ -347,6 +479,34 @@ def plot(results: dict, path: Path) -> Path:
     return path
 
 
+def merge(parts: list[dict]) -> dict:
+    """Results of the same settings run for different seeds (each (run, seed) is trained from its own seed, so the
+    parts are what one run over all the seeds gives): rows concatenated per run, in seed order."""
+    if len(parts) == 1:
+        return parts[0]
+    first = {k: v for k, v in parts[0]["settings"].items() if k != "seeds"}
+    for part in parts[1:]:
+        other = {k: v for k, v in part["settings"].items() if k != "seeds"}
+        if other != first:
+            raise SystemExit(f"--report: the results differ in settings other than seeds: {first} vs {other}")
+    order = sorted(range(len(parts)), key=lambda i: min(parts[i]["settings"]["seeds"]))
+    merged = {**parts[order[0]], "settings": {**parts[0]["settings"], "seeds": []}, "runs": {}}
+    for index in order:
+        merged["settings"]["seeds"] += list(parts[index]["settings"]["seeds"])
+        for label, rows in parts[index]["runs"].items():
+            merged["runs"].setdefault(label, []).extend(rows)
+    merged["seconds"] = sum(part.get("seconds", 0.0) for part in parts)
+    merged["command"] = " and ".join(f"`{parts[i].get('command', '?')}`" for i in order).strip("`")
+    return merged
+
+
+def _machine(versions: dict) -> str:
+    device = versions.get("device", "cpu")
+    if device == "cpu":
+        return f"{versions['threads']} CPU threads"
+    return f"one {device}, {versions.get('jobs', 1)} runs at a time"
+
+
 def report(results: dict, out: Path, readme: Path | None) -> str:
     """Write results.json / results.md / bench_tiny.png under ``out``; refresh the README section if asked."""
     out.mkdir(parents=True, exist_ok=True)
@@ -358,8 +518,8 @@ def report(results: dict, out: Path, readme: Path | None) -> str:
     if readme is not None:
         plot(results, readme.resolve().parent / "scripts" / "results" / "bench_tiny.png")
         section = (
-            f"`{results['command']}` ({results['seconds'] / 60:.0f} min on {results['versions']['threads']} CPU "
-            f"threads, torch {results['versions']['torch']}):\n\n{table}\n\n"
+            f"`{results['command']}` ({results['seconds'] / 60:.0f} min on {_machine(results['versions'])}, "
+            f"torch {results['versions']['torch']}):\n\n{table}\n\n"
             "![perplexity and passkey accuracy against length](scripts/results/bench_tiny.png)"
         )
         replace_section(readme, "bench-tiny", section)
@@ -369,35 +529,51 @@ def report(results: dict, out: Path, readme: Path | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one seed and a small budget (under 15 minutes)")
-    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    runs = available_runs()
+    parser.add_argument("--schemes", nargs="+", choices=runs, metavar="RUN",
+                        help=f"runs to train (default: all; with --quick: {', '.join(QUICK_RUNS)}): {', '.join(runs)}")
     parser.add_argument("--scalings", nargs="*", default=list(SCALINGS), choices=SCALINGS)
     parser.add_argument("--steps", type=int, help="override the training steps")
     parser.add_argument("--finetune-steps", type=int, help="override the fine-tuning steps of the RoPE scalings")
     parser.add_argument("--seeds", type=int, nargs="+", help="override the seeds")
     parser.add_argument("--length", type=int, help="override the training length L")
     parser.add_argument("--trials", type=int, help="override the passkey keys per length and depth")
+    parser.add_argument("--lr", type=float, help="override the training learning rate")
+    parser.add_argument("--batch", type=int, help="override the training batch size")
+    parser.add_argument("--synthetic", type=float, help="override the share of synthetic (passkey/copy) sequences")
+    parser.add_argument("--passkey-share", type=float, help="override the passkey share of the synthetic sequences")
+    parser.add_argument("--decay-from", type=float, help="override where the learning rate starts to decay (share)")
+    parser.add_argument("--device", default="cpu", help="torch device to train and measure on (default cpu)")
+    parser.add_argument("--jobs", type=int, default=1, help="tasks run at once in separate processes (GPU: several)")
+    parser.add_argument("--probe-every", type=int, default=0,
+                        help="measure in-distribution passkey every N training steps (the learning curve)")
     parser.add_argument("--output-dir", default="outputs/bench_tiny", help="where results.json/.md and the plot go")
     parser.add_argument("--readme", type=Path, help="README to refresh between <!-- bench-tiny:start/end --> markers")
-    parser.add_argument("--report", type=Path, help="only redraw the table and plot from an earlier results.json")
+    parser.add_argument("--report", type=Path, nargs="+",
+                        help="only redraw the table and plot from earlier results.json files (several: runs of other "
+                             "seeds with the same settings, merged)")
     args = parser.parse_args(argv)
     out = Path(args.output_dir)
     if args.report is not None:
-        print(report(json.loads(args.report.read_text(encoding="utf-8")), out, args.readme))
+        print(report(merge([json.loads(path.read_text(encoding="utf-8")) for path in args.report]), out, args.readme))
         return 0
     settings = dataclasses.replace(QUICK if args.quick else FULL)
-    for name in ("steps", "finetune_steps", "length", "trials"):
+    for name in ("steps", "finetune_steps", "length", "trials", "lr", "batch", "synthetic", "passkey_share",
+                 "decay_from"):
         if getattr(args, name) is not None:
             setattr(settings, name, getattr(args, name))
     if args.seeds:
         settings.seeds = tuple(args.seeds)
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
-    results = run(settings, tuple(args.schemes), tuple(args.scalings), lambda line: print(line, flush=True),
-                  out / "partial.json")
+    schemes = tuple(args.schemes or [r for r in runs if r in QUICK_RUNS or not args.quick])
+    results = run(settings, schemes, tuple(args.scalings), lambda line: print(line, flush=True),
+                  out / "partial.json", args.device, args.jobs, args.probe_every)
     results["seconds"] = time.time() - started
     results["command"] = "python scripts/bench_tiny.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
     results["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0],
-                           "threads": torch.get_num_threads()}
+                           "threads": torch.get_num_threads(), "device": device, "jobs": args.jobs}
     print(report(results, out, args.readme))
     print(f"\n{results['seconds']:.0f} s; wrote {out}/results.json, results.md, bench_tiny.png")
     return 0

@@ -52,12 +52,13 @@ def test_bench_tiny_writes_table_plot_and_readme_section(tmp_path) -> None:
     readme = tmp_path / "README.md"
     readme.write_text("# x\n<!-- bench-tiny:start -->\nold\n<!-- bench-tiny:end -->\nafter\n", encoding="utf-8")
     out = tmp_path / "out"
-    argv = ["--quick", "--schemes", "learned", "alibi", "rope", "--scalings", "yarn", "longrope", "self_extend",
-            "--steps", "2", "--finetune-steps", "1", "--length", "16", "--trials", "1", "--seeds", "0", "1",
-            "--output-dir", str(out), "--readme", str(readme)]
+    argv = ["--quick", "--schemes", "learned", "learned+concat", "alibi", "rope", "nope-interleaved", "--scalings",
+            "yarn", "longrope", "self_extend", "--steps", "2", "--finetune-steps", "1", "--length", "16", "--trials",
+            "1", "--seeds", "0", "1", "--jobs", "2", "--output-dir", str(out), "--readme", str(readme)]
     assert bench_tiny.main(argv) == 0
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
-    assert list(results["runs"]) == ["learned", "alibi", "rope", "rope+yarn (zero-shot)", "rope+yarn (fine-tuned)",
+    assert list(results["runs"]) == ["learned", "learned+concat", "alibi", "rope", "nope-interleaved",
+                                     "rope+yarn (zero-shot)", "rope+yarn (fine-tuned)",
                                      "rope+longrope (zero-shot)", "rope+longrope (fine-tuned)",
                                      "rope+self_extend (zero-shot)", "rope+self_extend (fine-tuned)"]
     assert all(len(rows) == 2 for rows in results["runs"].values())  # one row per seed
@@ -66,6 +67,7 @@ def test_bench_tiny_writes_table_plot_and_readme_section(tmp_path) -> None:
     assert all(0.0 <= value <= 1.0 for value in row["passkey"].values())
     table = (out / "results.md").read_text(encoding="utf-8")
     assert "| rope+yarn (fine-tuned)" in table and "ppl 8x" in table and "passkey 8x" in table
+    assert "| learned+concat" in table and "| nope-interleaved" in table
     assert "seeds 0, 1 (mean ± std)" in table and " ± " in table.split("| alibi")[1].splitlines()[0]
     assert (out / "bench_tiny.png").stat().st_size > 10_000
     text = readme.read_text(encoding="utf-8")
@@ -74,6 +76,37 @@ def test_bench_tiny_writes_table_plot_and_readme_section(tmp_path) -> None:
     redrawn = tmp_path / "redrawn"
     assert bench_tiny.main(["--report", str(out / "results.json"), "--output-dir", str(redrawn)]) == 0
     assert (redrawn / "results.md").read_text(encoding="utf-8") == table
+
+
+def test_bench_tiny_runs_cover_the_registered_schemes_and_build_what_they_name() -> None:
+    import hf_posswap as ps
+
+    runs = bench_tiny.available_runs()
+    for scheme in ("kerple", "sandwich", "fire", "learned", "sinusoidal"):
+        assert scheme in runs
+    assert {"learned+concat", "sinusoidal+concat", "nope-interleaved"} <= set(runs)
+    settings = bench_tiny.Settings(length=16, hidden=32, heads=2, kv_heads=1)
+    concat = bench_tiny.build_model(settings, "learned+concat", 0)
+    assert ps.describe(concat).settings["combine"] == "concat"
+    mixed = bench_tiny.build_model(settings, "nope-interleaved", 0)
+    assert ps.describe(mixed).scheme == "layer_mix"
+    bench_tiny.tile_learned_table(concat, 64)  # the table inside the concatenation grows; rows < 16 are kept
+    assert concat.model.posswap_positions.positions.weight.shape == (64, 32)
+
+
+def test_bench_tiny_report_merges_seeds_in_order() -> None:
+    def part(seed: int, ppl: float) -> dict:
+        row = {"windows": {"1": ppl}, "passkey": {"1": 1.0}}
+        return {"settings": {"length": 16, "seeds": [seed]}, "runs": {"rope": [row]}, "seconds": 10.0,
+                "command": f"python scripts/bench_tiny.py --seeds {seed}", "versions": {}}
+
+    merged = bench_tiny.merge([part(1, 5.0), part(0, 4.0)])
+    assert merged["settings"]["seeds"] == [0, 1] and merged["seconds"] == 20.0
+    assert [r["windows"]["1"] for r in merged["runs"]["rope"]] == [4.0, 5.0]
+    other = part(2, 6.0)
+    other["settings"]["length"] = 32
+    with pytest.raises(SystemExit, match="differ in settings other than seeds"):
+        bench_tiny.merge([part(0, 4.0), other])
 
 
 def test_bench_speed_writes_its_tables_and_readme_section(tmp_path) -> None:
