@@ -455,6 +455,9 @@ def plot(results: dict, path: Path) -> Path:
     settings = results["settings"]
     factors = settings["factors"]
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    colors = [*plt.cm.tab20.colors, *plt.cm.tab20b.colors]  # 20+ runs: one colour each
+    for axis in (left, right):
+        axis.set_prop_cycle(color=colors)
     for label, rows in results["runs"].items():
         if "zero-shot" in label:
             continue
