@@ -36,6 +36,12 @@ MAX_POSITIONS = 64
 FAMILIES = ["gpt2", "bert", "llama", "gemma3_text", "phi3", "gpt_neox", "roberta"]
 CAUSAL_FAMILIES = ["gpt2", "llama", "gemma3_text", "phi3", "gpt_neox"]
 SCHEMES = ps.available_schemes()
+#: (family, scheme) swaps that transformers expresses natively (saved as the family's own rope_parameters);
+#: tests/test_checkpoints.py checks this against describe().native for every pair
+NATIVE_PAIRS = {(f, "rope") for f in ("llama", "gemma3_text", "phi3", "gpt_neox")} | {
+    ("llama", "proportional"),
+    ("gpt_neox", "proportional"),
+}
 
 
 def tiny_config(family: str):

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAMILIES, SCHEMES, VOCAB, swapped
+from conftest import CAUSAL_FAMILIES, FAMILIES, NATIVE_PAIRS, SCHEMES, VOCAB, swapped
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import hf_posswap as ps
 
-AUTO = {"gpt2": AutoModelForCausalLM, "llama": AutoModelForCausalLM, "bert": AutoModelForMaskedLM}
+AUTO = {family: AutoModelForCausalLM if family in CAUSAL_FAMILIES else AutoModelForMaskedLM
+        for family in FAMILIES}
 INPUT = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
 
 
@@ -31,7 +32,8 @@ def test_round_trip_through_auto_classes(tmp_path: Path, family: str, scheme: st
     saved = json.loads((tmp_path / "config.json").read_text())
     assert (tmp_path / "model.safetensors").exists()
     assert saved["posswap"]["scheme"] == scheme
-    native = family == "llama" and scheme == "rope"
+    native = ps.describe(model).native  # RoPE-like swaps a family's own rotary class expresses
+    assert native == ((family, scheme) in NATIVE_PAIRS)
     assert saved["model_type"] == (family if native else f"hf_posswap_{family}")
     loaded = AUTO[family].from_pretrained(tmp_path).eval()
     # a native swap loads as plain transformers, which describe() reports as the model's native RoPE

@@ -166,8 +166,7 @@ def test_gemma3_non_rope_schemes_silence_every_layer_type() -> None:
     torch.testing.assert_close(logits(native, position_ids=skipping), logits(native), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "gpt_neox", pytest.param("roberta", marks=pytest.mark.xfail(
-    strict=True, reason="persistence/adapters.py lora_config treats every family but 'bert' as causal (CAUSAL_LM)"))])
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "gpt_neox", "roberta"])
 def test_lora_targets_name_attention_projections(family: str) -> None:
     from peft import get_peft_model
 
@@ -180,11 +179,6 @@ def test_lora_targets_name_attention_projections(family: str) -> None:
     assert sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n) > 0
 
 
-EXTEND_BUG = ("core/extend.py _current_scheme builds RopeConfig(partial_rotary_factor=1.0) for an unswapped model; it "
-              "should read rope_parameters['partial_rotary_factor']")
-
-
-@pytest.mark.xfail(strict=True, reason=EXTEND_BUG)
 @pytest.mark.parametrize("family", ["phi3", "gpt_neox"])
 def test_extending_an_unswapped_partial_rotary_model_keeps_its_rotated_fraction(family: str) -> None:
     model = make_model(family)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAMILIES, MAX_POSITIONS, VOCAB, make_model, swapped
+from conftest import CAUSAL_FAMILIES, FAMILIES, MAX_POSITIONS, NATIVE_PAIRS, VOCAB, make_model, swapped
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
@@ -25,10 +25,11 @@ from hf_posswap.core.native import check_loaded
 from hf_posswap.core.state import swap_state
 from hf_posswap.persistence.restore import NativeWeightsMissingWarning, check_checkpoint_keys
 
-AUTO = {"gpt2": AutoModelForCausalLM, "llama": AutoModelForCausalLM, "bert": AutoModelForMaskedLM}
+AUTO = {family: AutoModelForCausalLM if family in CAUSAL_FAMILIES else AutoModelForMaskedLM
+        for family in FAMILIES}
 INPUT = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
-NON_NATIVE = [(f, s) for f in FAMILIES for s in ps.available_schemes() if not (f == "llama" and s == "rope")]
-TABLE_FAMILIES = ("gpt2", "bert")  # families whose native table a swapped checkpoint does not hold
+NON_NATIVE = [(f, s) for f in FAMILIES for s in ps.available_schemes() if (f, s) not in NATIVE_PAIRS]
+TABLE_FAMILIES = ("gpt2", "bert", "roberta")  # families whose native table a swapped checkpoint does not hold
 
 
 def logits(model: torch.nn.Module, input_ids: torch.Tensor = INPUT) -> torch.Tensor:
@@ -148,11 +149,13 @@ def test_reloaded_model_unswaps_to_the_native_structure(tmp_path: Path, family: 
     assert torch.isfinite(logits(loaded)).all()
     fresh = [w for w in caught if issubclass(w.category, NativeWeightsMissingWarning)]
     if family in TABLE_FAMILIES:  # the learned table was not in the checkpoint: re-created, and said so
-        table = "transformer.wpe" if family == "gpt2" else "bert.embeddings.position_embeddings"
+        table = "transformer.wpe" if family == "gpt2" else f"{family}.embeddings.position_embeddings"
         assert len(fresh) == 1 and str(fresh[0].message).startswith(f"{table}: the checkpoint")
     else:  # a rotary module is deterministic: rebuilt exactly, no warning
         assert not fresh
-        assert torch.equal(loaded.model.rotary_emb.inv_freq, native.model.rotary_emb.inv_freq)
+        native_buffers = dict(native.base_model.rotary_emb.named_buffers())  # Gemma 3: one inv_freq per layer type
+        for name, buffer in loaded.base_model.rotary_emb.named_buffers():
+            assert torch.equal(buffer, native_buffers[name]), name
         assert torch.equal(logits(loaded), logits(native))  # same seed: same weights, same native RoPE
 
 

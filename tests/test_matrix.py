@@ -111,8 +111,11 @@ def test_left_padded_forward_equals_rows_alone(family: str, scheme: str) -> None
     for i, row in enumerate(rows):
         batch[i, width - len(row):] = row
         mask[i, width - len(row):] = 1
+    position_ids = padding_position_ids(mask)
+    if family == "roberta":  # RoBERTa numbers positions from padding_idx + 1
+        position_ids = position_ids + model.config.pad_token_id + 1
     with torch.no_grad():
-        together = model(input_ids=batch, attention_mask=mask, position_ids=padding_position_ids(mask)).logits
+        together = model(input_ids=batch, attention_mask=mask, position_ids=position_ids).logits
         for i, row in enumerate(rows):
             alone = model(input_ids=row[None]).logits[0]
             torch.testing.assert_close(together[i, width - len(row):], alone, atol=1e-5, rtol=1e-4)
@@ -123,7 +126,8 @@ def test_inputs_longer_than_trained_length(family: str, scheme: str) -> None:
     model = swapped(family, scheme)
     input_ids = tokens(1, MAX_POSITIONS + 36)
     if scheme == "learned":  # a table that was not grown has a hard limit, with an error that says what to do
-        with pytest.raises(IndexError, match=r"Position 99 is past the end of the learned position table"):
+        last = MAX_POSITIONS + 35 + (model.config.pad_token_id + 1 if family == "roberta" else 0)  # RoBERTa: from 2
+        with pytest.raises(IndexError, match=rf"Position {last} is past the end of the learned position table"):
             model(input_ids=input_ids)
         ps.swap(model, ps.LearnedConfig(max_positions=2 * MAX_POSITIONS), replace=True)
     with torch.no_grad():
@@ -146,12 +150,21 @@ def test_output_attentions_include_the_scheme(family: str, scheme: str) -> None:
             with torch.no_grad():
                 block.attn.c_attn.weight[:, :64] = 0
                 block.attn.c_attn.bias[:64] = 0
+    if family == "phi3":
+        for layer in base.layers:  # qkv_proj packs [q | k | v] along its output: zero the q rows
+            with torch.no_grad():
+                layer.self_attn.qkv_proj.weight[:64] = 0
+    if family == "gpt_neox":
+        for layer in base.layers:  # query_key_value packs (q, k, v) per head: [H * 3 * D] outputs
+            with torch.no_grad():
+                layer.attention.query_key_value.weight.view(4, 3, 16, 64)[:, 0] = 0
+                layer.attention.query_key_value.bias.view(4, 3, 16)[:, 0] = 0
     input_ids = tokens(1, 10)
     with torch.no_grad():
         attentions = model(input_ids=input_ids, output_attentions=True).attentions
     assert attentions is not None and len(attentions) == 2
     weights = attentions[0][0]  # [H, q, kv]
-    causal = family != "bert"
+    causal = family in CAUSAL_FAMILIES
     positions = torch.arange(10)
     scheme_module = getattr(base, "posswap_positions", None)
     if isinstance(scheme_module, BiasPositions):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAMILIES, VOCAB, make_model, save_tiny_checkpoint, swapped
+from conftest import CAUSAL_FAMILIES, FAMILIES, VOCAB, make_model, save_tiny_checkpoint, swapped
 from test_matrix import test_explicit_position_ids_reach_attention as explicit_position_ids_check
 
 import hf_posswap as ps
@@ -22,7 +22,7 @@ from hf_posswap.persistence import export
 from hf_posswap.schemes import SCHEME_REGISTRY, FireConfig, KerpleConfig, ModelSpec, SandwichConfig
 
 NEW_SCHEMES = ["kerple", "sandwich", "fire"]
-CAUSAL = {"gpt2": True, "bert": False, "llama": True}
+CAUSAL = {family: family in CAUSAL_FAMILIES for family in FAMILIES}
 
 
 def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
@@ -175,6 +175,13 @@ def zero_queries(model: torch.nn.Module, family: str) -> None:
             for block in base.h:  # c_attn packs q, k, v: zero the q third
                 block.attn.c_attn.weight[:, :64] = 0
                 block.attn.c_attn.bias[:64] = 0
+        if family == "phi3":
+            for layer in base.layers:  # qkv_proj packs [q | k | v] along its output: zero the q rows
+                layer.self_attn.qkv_proj.weight[:64] = 0
+        if family == "gpt_neox":
+            for layer in base.layers:  # query_key_value packs (q, k, v) per head: [H * 3 * D] outputs
+                layer.attention.query_key_value.weight.view(4, 3, 16, 64)[:, 0] = 0
+                layer.attention.query_key_value.bias.view(4, 3, 16)[:, 0] = 0
 
 
 def expected_bias(model: torch.nn.Module, scheme: str, family: str, n: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from ..families.base import FamilyAdapter, get_family
 from ..schemes.base import NativeWeightsMissingWarning, SchemeConfig
 from ..schemes.learned import LearnedConfig
 from ..schemes.mix import LayerMix
+from ..schemes.proportional import ProportionalRopeConfig
 from ..schemes.rope import RopeConfig
 from ..schemes.rope_scaling import SCALING_REGISTRY
 from .context import POSITIONS_ATTR
@@ -116,7 +117,10 @@ def _current_scheme(model: nn.Module, adapter: FamilyAdapter, state: SwapState |
         return state.config
     if adapter.rotary_module_path is not None:
         rope = getattr(model.config, "rope_parameters", None) or {}
-        return RopeConfig(rope_theta=rope.get("rope_theta"), partial_rotary_factor=1.0)
+        fraction = rope.get("partial_rotary_factor", 1.0)  # Phi-3 and GPT-NeoX rotate part of each head
+        if rope.get("rope_type") == "proportional":  # p-RoPE keeps whole heads with its lowest frequencies at 0
+            return ProportionalRopeConfig(rope_theta=rope.get("rope_theta"), partial_rotary_factor=fraction)
+        return RopeConfig(rope_theta=rope.get("rope_theta"), partial_rotary_factor=fraction)
     if adapter.absolute_table_path is not None:
         return LearnedConfig()
     return None

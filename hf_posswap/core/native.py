@@ -166,8 +166,14 @@ def _check_filled(tensors: list[torch.Tensor], attr: str) -> None:
 
 
 def record_is_native(record: Any, family: Any) -> bool:
-    """Whether a ``config.posswap`` record describes a swap transformers loads natively (LLaMA-like RoPE)."""
-    if not isinstance(record, dict) or record.get("scheme") != "rope":
+    """Whether a ``config.posswap`` record describes a swap transformers loads natively (a RoPE the family's own
+    rotary class expresses). Swaps record ``"native": true`` when they went native; records written before that
+    key existed were native exactly for whole-head RoPE without Self-Extend on a rotary family."""
+    if not isinstance(record, dict):
+        return False
+    if record.get("native") is True:
+        return getattr(family, "rotary_module_path", None) is not None
+    if record.get("scheme") != "rope":
         return False
     scaling = record.get("scaling") or {}
     return (

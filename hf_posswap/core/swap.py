@@ -172,8 +172,15 @@ def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: 
     )
     if isinstance(config, RopeConfig):
         native_edits = adapter.native_rope_edits(model, config)
-        if native_edits is not None:
-            return [*native_edits, record_edit], True
+        if native_edits is not None:  # the record says so: a plain reload then knows it lost nothing
+            native_record = {**record, "native": True}
+            native_record_edit = SetAttribute(
+                model.config,
+                CONFIG_RECORD,
+                lambda: dict(native_record),
+                where=f"config.{CONFIG_RECORD} = {native_record}",
+            )
+            return [*native_edits, native_record_edit], True
 
     if isinstance(config, LayerMix):
         return [*_mix_edits(model, adapter, config, spec), record_edit, _config_class_edit(model.config)], False

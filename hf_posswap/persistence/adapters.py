@@ -46,7 +46,7 @@ def lora_config(model: nn.Module, r: int = 8, alpha: int = 16, dropout: float = 
     from peft import LoraConfig, TaskType
 
     adapter = get_family(_unwrap(model))
-    causal = adapter.name != "bert" or bool(getattr(model.config, "is_decoder", False))
+    causal = adapter.is_causal(_unwrap(model).config)  # BERT and RoBERTa are encoders unless is_decoder
     return LoraConfig(
         r=r,
         lora_alpha=alpha,

@@ -34,7 +34,7 @@ from ..schemes.base import (
 )
 from ..schemes.rope_scaling import SCALING_REGISTRY
 
-BOOKKEEPING = ("version", "family", "scheme", "extension")
+BOOKKEEPING = ("version", "family", "scheme", "extension", "native")
 
 
 def scheme_from_record(record: dict[str, Any]) -> SchemeConfig:

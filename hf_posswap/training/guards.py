@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidConfigError, PosSwapError, closest_hint, one_line
+from ..families.base import FAMILY_REGISTRY
 from .config import FinetuneConfig
 
 #: what a run writes into its output directory (``--overwrite-output-dir`` removes these and nothing else)
@@ -75,7 +76,7 @@ def resolve_objective(config: FinetuneConfig) -> str:
             f"--model {config.model!r}: its config.json cannot be read ({one_line(error)}); pass a valid checkpoint."
         ) from None
     base_type = getattr(model_config, "posswap_base_model_type", None) or model_config.model_type
-    encoder = base_type == "bert" and not getattr(model_config, "is_decoder", False)
+    encoder = base_type in FAMILY_REGISTRY and not FAMILY_REGISTRY.get(base_type).is_causal(model_config)
     objective = config.objective if config.objective != "auto" else ("mlm" if encoder else "causal")
     if objective == "mlm" and not encoder:
         raise InvalidConfigError(
