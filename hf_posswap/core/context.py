@@ -217,7 +217,7 @@ class PositionHook:
         self.adapter.prepare_inputs(base, kwargs, query_offset)
         positions = getattr(base, POSITIONS_ATTR, None)
         if self.adds_absolute and positions is not None:
-            self._add_absolute(base, positions, kwargs, query_offset, self.combine)
+            self._add_absolute(base, positions, kwargs, query_offset, self.combine, self.adapter)
         if self.feeds_attention:
             context = PositionContext(
                 positions,
@@ -250,16 +250,23 @@ class PositionHook:
 
     @staticmethod
     def _add_absolute(
-        base: nn.Module, positions: nn.Module, kwargs: dict[str, Any], query_offset: int, combine: str = "add"
+        base: nn.Module,
+        positions: nn.Module,
+        kwargs: dict[str, Any],
+        query_offset: int,
+        combine: str = "add",
+        adapter: FamilyAdapter | None = None,
     ) -> None:
         """inputs_embeds [B, L, hidden] += positions(position_ids) for families without an absolute table slot; with
         ``combine="concat"`` the module is called as ``positions(position_ids, embeds)`` and returns the new
         embeddings [B, L, hidden] (it concatenates and projects back)."""
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None and adapter is not None:  # the family's own numbering (RoBERTa: from padding_idx + 1)
+            position_ids = adapter.absolute_position_ids(base, kwargs, query_offset)
         embeds = kwargs.get("inputs_embeds")
         if embeds is None:
             embeds = base.get_input_embeddings()(kwargs["input_ids"])
             kwargs["input_ids"] = None
-        position_ids = kwargs.get("position_ids")
         if position_ids is None:
             position_ids = default_position_ids(embeds.shape[0], embeds.shape[1], query_offset, embeds.device)
         if combine == "concat":

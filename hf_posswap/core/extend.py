@@ -205,6 +205,12 @@ def _table_plan(
         )
     if options:
         raise InvalidOptionError(f"Method '{method}' takes no options, got {sorted(options)}.")
+    if scheme.combine != "add":
+        raise InvalidConfigError(
+            f"'{method}' grows a learned table joined by combine={scheme.combine!r}, which extend_context does not "
+            "support yet (the trained projection would be lost). Extend before swapping: hf_posswap.extend_context "
+            "on the model with its own table (or swap with combine='add'), then swap to combine='concat'."
+        )
     table = _learned_table(model, adapter)
     if hasattr(table, PEFT_WRAPPER_ATTR):
         raise InvalidConfigError(

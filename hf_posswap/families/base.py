@@ -127,6 +127,11 @@ class FamilyAdapter:
             )
         ]
 
+    def absolute_position_ids(self, base: nn.Module, kwargs: dict[str, Any], query_offset: int) -> torch.Tensor | None:
+        """Position ids [B or 1, L] for absolute vectors the hook adds itself (no table slot, or ``combine="concat"``)
+        when the caller passed none; ``None``: the default ``offset .. offset + L - 1``."""
+        return None
+
     def prepare_inputs(self, base: nn.Module, kwargs: dict[str, Any], query_offset: int) -> None:
         """Family fix-ups to the base model's forward kwargs, run by the position hook before every forward."""
 

@@ -35,6 +35,21 @@ class RobertaAdapter(BertAdapter):
         shape = (reference.shape[0], reference.shape[1])
         kwargs["token_type_ids"] = torch.zeros(shape, dtype=torch.long, device=reference.device)
 
+    def absolute_position_ids(self, base: nn.Module, kwargs: dict[str, Any], query_offset: int) -> torch.Tensor | None:
+        """RoBERTa's numbering for vectors the hook adds (``combine="concat"``), as ``RobertaEmbeddings`` builds it:
+        from input ids, ``padding_idx + 1 + (index among the row's non-padding tokens)``, padding at ``padding_idx``;
+        from embeddings alone, ``padding_idx + 1 ..``."""
+        padding_idx = base.config.pad_token_id
+        input_ids = kwargs.get("input_ids")
+        if input_ids is not None:
+            real = input_ids.ne(padding_idx).long()  # [B, L]
+            return (real.cumsum(dim=1) + query_offset) * real + padding_idx
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None:
+            return None
+        start = padding_idx + 1 + query_offset
+        return torch.arange(start, start + embeds.shape[1], device=embeds.device).unsqueeze(0)
+
     def describe_native(self, model: nn.Module) -> str:
         first = model.config.pad_token_id + 1
         return (
