@@ -158,10 +158,12 @@ def family(request: pytest.FixtureRequest) -> str:
 BYTE_VOCAB = BYTE_VOCAB_SIZE
 
 
-def save_tiny_checkpoint(family: str, directory, seed: int = 0):
+def save_tiny_checkpoint(family: str, directory, seed: int = 0, **config_overrides):
     """A tiny random model of ``family`` with the byte tokenizer, saved as a plain HF directory."""
     torch.manual_seed(seed)
     config = tiny_config(family)
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
     config.vocab_size = BYTE_VOCAB
     config.pad_token_id = BYTE_VOCAB - 1
     if family != "bert":

@@ -107,6 +107,23 @@ def test_model_type_edited_back_to_the_family_is_detected(tmp_path: Path) -> Non
             call(plain)
 
 
+@pytest.mark.parametrize("scaling", [ps.SelfExtend(factor=4.0), ps.ReRoPE(factor=4.0, window=16)],
+                         ids=["self_extend", "rerope"])
+def test_rope_in_attention_edited_back_to_the_family_is_detected(tmp_path: Path, scaling) -> None:
+    """A LLaMA whose RoPE runs inside attention (two-pass scalings, partial RoPE) is not native: a plain reload
+    of it is refused, whichever way the record says so."""
+    model = make_model("llama")
+    ps.swap(model, ps.RopeConfig(scaling=scaling))
+    model.save_pretrained(tmp_path)
+    _edit_config(tmp_path, lambda config: config.update(model_type="llama"))
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ps.InvalidConfigError, match="but was loaded as plain 'llama'"):
+        check_loaded(plain)
+    _edit_config(tmp_path, lambda config: config["posswap"].pop("native"))  # a record from before "native" existed
+    with pytest.raises(ps.InvalidConfigError, match="but was loaded as plain 'llama'"):
+        check_loaded(AutoModelForCausalLM.from_pretrained(tmp_path))
+
+
 def test_native_swaps_are_not_mistaken_for_misloaded_ones(tmp_path: Path) -> None:
     model = make_model("llama")
     ps.swap(model, "rope", rope_theta=500.0)
@@ -114,6 +131,7 @@ def test_native_swaps_are_not_mistaken_for_misloaded_ones(tmp_path: Path) -> Non
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     check_loaded(loaded)
     assert ps.describe(loaded).scheme == "native"
+    assert json.loads((tmp_path / "config.json").read_text())["posswap"]["native"] is True
 
 
 def test_checkpoint_keys_check_before_loading(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ README = ROOT / "README.md"
 # or "corpus" for a directory of text files.
 STAND_INS = {
     "path/to/checkpoint": "llama",  # the first snippet: any causal LM
-    "path/to/llama-like": "llama",  # Extending context: a LLaMA-like model
+    "path/to/llama-like": "llama-12-layers",  # Per-layer schemes (layers 3, 7, 11), Extending context
     "path/to/gpt2": "gpt2",  # Extending context: a GPT-2 swapped to RoPE with YaRN
     "ckpt": "llama",  # Measuring, Fine-tuning
     "out/final": "llama",  # Measuring: a fine-tuned model
@@ -43,6 +43,9 @@ NOT_RUN = {
                             "with short lengths in tests/test_real_checkpoints.py and on a tiny model in "
                             "tests/test_progress.py",
     "bash scripts/test.sh": "is CI itself (.ci/run runs exactly this)",
+    "python scripts/bench_tiny.py --device cuda": "trains 14 tiny models x 10,000 steps on a GPU (hours on CPU); "
+                                                  "its --quick mode runs in tests/test_benchmarks.py",
+    "python scripts/bench_tiny.py --report": "merges the GPU runs' results; tests/test_benchmarks.py tests the merge",
     "accelerate launch": "needs two processes; tests/test_finetune.py::test_two_processes_train_data_parallel runs "
                          "finetune() under the same launcher",
 }
@@ -98,6 +101,8 @@ def make_stand_ins(directory: Path, block: str) -> None:
         target.mkdir(parents=True)
         if kind == "corpus":
             write_corpus(target, documents=8)
+        elif kind == "llama-12-layers":
+            save_tiny_checkpoint("llama", target, num_hidden_layers=12)
         else:
             save_tiny_checkpoint(kind, target)
 

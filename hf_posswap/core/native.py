@@ -171,15 +171,15 @@ def record_is_native(record: Any, family: Any) -> bool:
     key existed were native exactly for whole-head RoPE without Self-Extend on a rotary family."""
     if not isinstance(record, dict):
         return False
-    if record.get("native") is True:
-        return getattr(family, "rotary_module_path", None) is not None
+    if "native" in record:
+        return record["native"] is True and getattr(family, "rotary_module_path", None) is not None
     if record.get("scheme") != "rope":
         return False
     scaling = record.get("scaling") or {}
     return (
         getattr(family, "rotary_module_path", None) is not None
         and record.get("partial_rotary_factor", 1.0) == 1.0
-        and not (isinstance(scaling, dict) and scaling.get("method") == "self_extend")
+        and not (isinstance(scaling, dict) and scaling.get("method") in ("self_extend", "rerope"))
     )
 
 

@@ -276,7 +276,7 @@ def refuse_foreign_rotation(cache: Any, positions: nn.Module | None, kind: str, 
 def _needs(kind: str, self_extend: Any) -> str:
     if kind != "rotary":
         return f"'{kind}' scheme"
-    return "Self-Extend" if self_extend is not None else "RoPE that changes with the length"
+    return "two-pass RoPE (Self-Extend, ReRoPE)" if self_extend is not None else "RoPE that changes with the length"
 
 
 def _layers(cache: Any) -> list[Any]:

@@ -166,7 +166,8 @@ def _install(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig) -> 
 
 def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: ModelSpec) -> tuple[list[Edit], bool]:
     """The edits that install ``config`` in ``model``, and whether the result is native transformers."""
-    record = {"version": RECORD_VERSION, "family": adapter.name, **config.to_dict()}
+    # "native" tells a plain reload whether it lost anything (core/native.py record_is_native)
+    record = {"version": RECORD_VERSION, "family": adapter.name, **config.to_dict(), "native": False}
     record_edit = SetAttribute(
         model.config, CONFIG_RECORD, lambda: dict(record), where=f"config.{CONFIG_RECORD} = {record}"
     )
