@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..edits import Edit, SetAttribute
+from ..edits import Edit
 from ..schemes.rope import RopeConfig
 from ..schemes.rope_scaling import SelfExtend
-from .base import FamilyAdapter, register_family
+from .base import FamilyAdapter, rebuild_rotary_edits, register_family
 
 
 @register_family
@@ -30,24 +30,8 @@ class LlamaAdapter(FamilyAdapter):
             return None  # LLaMA's apply_rotary_pos_emb rotates whole heads; partial RoPE goes in attention
         if isinstance(config.scaling, SelfExtend):
             return None  # grouped positions need unrotated cached keys: RoPE goes in attention
-        base = self.base_model(model)
-        rotary_cls = type(base.rotary_emb)
-        device = base.rotary_emb.inv_freq.device
         rope_parameters = config.rope_parameters(self.spec(model).head_dim)
-        return [
-            SetAttribute(
-                model.config,
-                "rope_parameters",
-                lambda: dict(rope_parameters),
-                where=f"config.rope_parameters = {rope_parameters}",
-            ),
-            SetAttribute(
-                base,
-                "rotary_emb",
-                lambda: rotary_cls(config=model.config).to(device),
-                where=f"rotary_emb <- {rotary_cls.__name__} rebuilt from config.rope_parameters",
-            ),
-        ]
+        return rebuild_rotary_edits(model, self.base_model(model), rope_parameters)
 
     def describe_native(self, model: nn.Module) -> str:
         return f"RoPE (rotary_emb, rope_parameters={getattr(model.config, 'rope_parameters', None)})"
