@@ -216,10 +216,12 @@ def extend_and_train(args: argparse.Namespace, options: dict[str, Any]) -> int:
          f"steps on {what}, sequences of {config.seq_len:,} tokens with {pose}; the run goes to {run}.")
     if args.overwrite:
         (run / RESULT_FILE).unlink(missing_ok=True)  # the finished mark of the run being replaced
+    existed = {path for path in (Path(args.output), run) if path.exists()}
     started = time.perf_counter()
     try:
         result = finetune(config)
     except PosSwapError as error:
+        _forget_failed_start(run, Path(args.output), existed)
         raise _in_extend_words(error) from error
     except KeyboardInterrupt:
         print(f"hf-posswap extend: interrupted; no new model was written to {args.output}, and the checkpoints "
@@ -234,6 +236,20 @@ def extend_and_train(args: argparse.Namespace, options: dict[str, Any]) -> int:
     print(f"wrote {args.output} ({written}); the run's settings, loss log"
           + (" and LoRA adapter" if config.lora else "") + f" are in {run}")
     return 0
+
+
+def _forget_failed_start(run: Path, output: Path, existed: set[Path]) -> None:
+    """A run refused before it wrote a run file (an extension option only ``extend_context`` checks, such as a
+    ReRoPE window past the trained length) leaves neither its lock nor the directories it made: the corrected
+    command then runs without ``--overwrite``."""
+    from ..training.guards import LOCK_FILE, previous_run_files
+
+    if run in existed or previous_run_files(run):
+        return
+    (run / LOCK_FILE).unlink(missing_ok=True)
+    for directory in (run, output):
+        if directory not in existed and directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()
 
 
 def publish_result(run: Path, output: Path, lora: bool, result: dict[str, Any]) -> str:

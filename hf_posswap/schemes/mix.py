@@ -177,10 +177,8 @@ class LayerMix(SchemeConfig):
         require_bool("LayerMix", "attn_temperature_tuning", self.attn_temperature_tuning)
         for name in ("floor_scale", "attn_scale"):
             value = getattr(self, name)
-            minimum_ok = value > 0 if name == "floor_scale" else value >= 0
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not (
-                minimum_ok
-            ):
+            number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            if not number or not (value > 0 if name == "floor_scale" else value >= 0):  # type first: None > 0 raises
                 bound = "> 0" if name == "floor_scale" else ">= 0"
                 raise InvalidConfigError(
                     f"LayerMix.{name} must be a finite number {bound}, got {value!r} (Llama 4 uses floor_scale="

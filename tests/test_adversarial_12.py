@@ -1,0 +1,66 @@
+"""Issue 12's adversarial pass: what a hostile user found in the layer/head mixes, the new schemes and
+``extend --train`` (each test failed before its fix)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import save_tiny_checkpoint, tiny_config, write_corpus
+
+import hf_posswap as ps
+from hf_posswap.cli.main import main as cli
+from hf_posswap.cli.recipe import check_run_output
+
+# --- LayerMix temperature settings of the wrong type: an error naming the value, not a TypeError ----------------
+
+BAD_TEMPERATURE = {
+    "floor_scale-none": {"floor_scale": None},
+    "floor_scale-list": {"floor_scale": [8192]},
+    "attn_scale-str": {"attn_scale": "0.1"},
+}
+
+
+@pytest.mark.parametrize("options", list(BAD_TEMPERATURE.values()), ids=list(BAD_TEMPERATURE))
+def test_layer_mix_temperature_setting_of_wrong_type_is_refused(options: dict) -> None:
+    (name, value), = options.items()
+    with pytest.raises(ps.errors.InvalidConfigError, match=rf"LayerMix\.{name} must be a finite number") as caught:
+        ps.LayerMix(default="rope", overrides={"none": [1]}, attn_temperature_tuning=True, **options)
+    assert repr(value) in str(caught.value)
+
+
+# --- extend --train refused at the extension leaves nothing behind, so the corrected command runs as typed ------
+
+TO = 4 * tiny_config("llama").max_position_embeddings
+BAD_EXTENSION = {  # id: extension arguments that only the extension itself (after the output was locked) refuses
+    "default-method-factor-0": (["--option", "factor=0"], "factor must be"),
+    "rerope-window-past-length": (["--method", "rerope", "--option", "window=100"], "window=100"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_EXTENSION), ids=list(BAD_EXTENSION))
+def test_extend_train_refused_extension_writes_nothing(case: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    base = save_tiny_checkpoint("llama", tmp_path / "llama")
+    data = write_corpus(tmp_path, documents=2)
+    extra, fragment = BAD_EXTENSION[case]
+    output = tmp_path / "out"
+    argv = ["extend", "--model", str(base), "--to", str(TO), "--train", "--data", *data, "--steps", "1",
+            "--seq-len", "32", "--no-progress", "--output", str(output), *extra]
+    assert cli(argv) == 1
+    err = capsys.readouterr().err
+    error = err.strip().splitlines()[-1]  # before it: the run's plan line (and the tiny checkpoint's save bar)
+    assert fragment in error and error.startswith("hf-posswap extend: ") and "Traceback" not in err, err
+    assert not output.exists(), sorted(str(p.relative_to(output)) for p in output.rglob("*"))
+    check_run_output(str(output), resume=False, overwrite=False)  # the corrected rerun needs no --overwrite
+
+
+def test_extend_train_refused_extension_keeps_an_existing_empty_output(tmp_path: Path) -> None:
+    base = save_tiny_checkpoint("llama", tmp_path / "llama")
+    data = write_corpus(tmp_path, documents=2)
+    output = tmp_path / "out"
+    output.mkdir()
+    argv = ["extend", "--model", str(base), "--to", str(TO), "--train", "--data", *data, "--steps", "1",
+            "--seq-len", "32", "--no-progress", "--output", str(output), "--option", "factor=0"]
+    assert cli(argv) == 1
+    assert output.is_dir() and not any(output.iterdir())
