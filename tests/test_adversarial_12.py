@@ -64,3 +64,28 @@ def test_extend_train_refused_extension_keeps_an_existing_empty_output(tmp_path:
             "--seq-len", "32", "--no-progress", "--output", str(output), "--option", "factor=0"]
     assert cli(argv) == 1
     assert output.is_dir() and not any(output.iterdir())
+
+
+# --- swap(model, s, layers=[...]) on Gemma 3 keeps each other layer's own RoPE (one per layer type) ---------------
+
+KEPT = {  # id: (family, swapped layers, the layer kept whose output is compared with transformers' own model)
+    "gemma3_text-sliding-layer-kept": ("gemma3_text", [1], 0),
+    "llama-layer-kept": ("llama", [1], 0),
+}
+
+
+@pytest.mark.parametrize("case", list(KEPT), ids=list(KEPT))
+def test_layers_swap_keeps_the_own_rope_of_the_other_layers(case: str) -> None:
+    import torch
+    from conftest import make_model
+
+    family, layers, kept = KEPT[case]
+    ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(0))  # past Gemma's window of 16
+    own, model = make_model(family), make_model(family)
+    ps.swap(model, "none", layers=layers)
+    with torch.no_grad():
+        expected = own(ids, output_hidden_states=True).hidden_states[kept + 1]  # transformers' own layer
+        got = model(ids, output_hidden_states=True).hidden_states[kept + 1]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    if family == "gemma3_text":  # both layer types' thetas (local 1e4, global 1e6) are in the swapped model's record
+        assert "rope_theta=10000.0" in str(ps.describe(model))

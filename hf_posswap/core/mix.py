@@ -48,9 +48,10 @@ def layer_plan(
     )
 
 
-def native_part(model: nn.Module, adapter: FamilyAdapter) -> SchemeConfig:
+def native_part(model: nn.Module, adapter: FamilyAdapter, rope_parameters: dict | None = None) -> SchemeConfig:
     """The scheme the model's own layers have, as a part of a mix (``swap(model, scheme, layers=...)`` keeps it on
-    the other layers): LLaMA-like models' RoPE from ``config.rope_parameters``."""
+    the other layers): LLaMA-like models' RoPE from ``config.rope_parameters`` (or the ``rope_parameters`` of one
+    layer type, given)."""
     if adapter.rotary_module_path is None:
         raise InvalidConfigError(
             f"swap(model, ..., layers=[...]) keeps the model's own positions on the other layers, and "
@@ -58,7 +59,7 @@ def native_part(model: nn.Module, adapter: FamilyAdapter) -> SchemeConfig:
             "not a per-layer mechanism. Say what the other layers get: hf_posswap.swap(model, "
             "hf_posswap.LayerMix(default='rope', overrides={'none': [...]}))."
         )
-    rope = dict(getattr(model.config, "rope_parameters", None) or {})
+    rope = dict(rope_parameters or getattr(model.config, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", "default")
     if rope.get("partial_rotary_factor", 1.0) != 1.0 or rope_type not in ("default", *NATIVE_SCALINGS):
         raise InvalidConfigError(
@@ -88,7 +89,24 @@ def mix_on_layers(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig
         )
     if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
         raise InvalidConfigError(f"layers= must be a list of layer indices such as [3, 7, 11], got {layers!r}.")
-    return LayerMix(default=native_part(model, adapter), overrides=[(config, list(layers))])
+    layers = list(layers)
+    types = per_type_rope(model)
+    if not types:
+        return LayerMix(default=native_part(model, adapter), overrides=[(config, layers)])
+    # Gemma 3: one RoPE per layer type (local theta 1e4, global 1e6); each kept layer keeps its type's
+    parts = [(native_part(model, adapter, rope), [i for i in kept if i not in layers]) for rope, kept in types]
+    kept_parts = [(part, kept) for part, kept in parts[1:] if kept]
+    return LayerMix(default=parts[0][0], overrides=[*kept_parts, (config, layers)])
+
+
+def per_type_rope(model: nn.Module) -> list[tuple[dict, list[int]]]:
+    """``[(rope_parameters, layers)]`` per layer type when ``config.rope_parameters`` is nested by
+    ``config.layer_types`` (Gemma 3); empty for one RoPE on every layer."""
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    layer_types = list(getattr(model.config, "layer_types", None) or [])
+    if not layer_types or not all(isinstance(rope.get(kind), dict) for kind in layer_types):
+        return []
+    return [(rope[kind], [i for i, t in enumerate(layer_types) if t == kind]) for kind in dict.fromkeys(layer_types)]
 
 
 def scale_rope_parts(config: LayerMix, change: Callable[[RopeConfig], RopeConfig]) -> LayerMix:
