@@ -91,9 +91,6 @@ def test_layers_swap_keeps_the_own_rope_of_the_other_layers(case: str) -> None:
         assert "rope_theta=10000.0" in str(ps.describe(model))
 
 
-@pytest.mark.xfail(strict=True, reason="open: a 'rope' part of a preset resolves to one theta (Gemma 3's global 1e6) "
-                   "on every RoPE layer; the sliding layers' local theta 1e4 needs the per-layer-type parts that "
-                   "swap(..., layers=) now builds (core/mix.py per_type_rope), in schemes/presets.py")
 @pytest.mark.parametrize("preset", ["smollm3_nope", "cohere2_sliding_rope"])
 def test_preset_keeps_gemma3_sliding_layers_rope(preset: str) -> None:
     import torch

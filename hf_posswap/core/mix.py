@@ -109,6 +109,28 @@ def per_type_rope(model: nn.Module) -> list[tuple[dict, list[int]]]:
     return [(rope[kind], [i for i, t in enumerate(layer_types) if t == kind]) for kind in dict.fromkeys(layer_types)]
 
 
+def own_theta_per_layer_type(model: nn.Module, config: LayerMix) -> LayerMix:
+    """On a model with one RoPE per layer type (Gemma 3: local θ 1e4, global 1e6), a RoPE part that keeps "the
+    model's own base" (``rope_theta=None``) gets, on each layer, the base of that layer's type; other parts and
+    models with one RoPE stay as they are."""
+    types = per_type_rope(model)
+    if not types:
+        return config
+    num_layers = len(getattr(model.config, "layer_types", None) or [])
+    pairs: list[tuple[SchemeConfig, list[int]]] = []
+    for part, layers in config.parts(num_layers):
+        if not (isinstance(part, RopeConfig) and part.rope_theta is None):
+            pairs.append((part, layers))
+            continue
+        for parameters, type_layers in types:
+            chosen = sorted(set(layers) & set(type_layers))
+            if chosen:
+                pairs.append((dataclasses.replace(part, rope_theta=parameters.get("rope_theta")), chosen))
+    if all(not (isinstance(part, RopeConfig) and part.rope_theta is None) for part, _ in config.parts(num_layers)):
+        return config
+    return dataclasses.replace(config, default=pairs[0][0], overrides=pairs[1:])
+
+
 def scale_rope_parts(config: LayerMix, change: Callable[[RopeConfig], RopeConfig]) -> LayerMix:
     """The mix with ``change`` applied to its RoPE parts only (``extend_context``); other parts stay."""
 

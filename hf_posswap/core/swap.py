@@ -31,7 +31,7 @@ from ..schemes.rope import RopeConfig
 from ..schemes.rope_scaling import SelfExtend
 from .attention import CARRIERS
 from .context import POSITIONS_ATTR, PositionForward, PositionHook
-from .mix import as_layer_mix, layer_plan, mix_on_layers
+from .mix import as_layer_mix, layer_plan, mix_on_layers, own_theta_per_layer_type
 from .native import check_loaded, install_native_restorers, unwrap_peft
 from .state import (
     CONFIG_RECORD,
@@ -100,6 +100,7 @@ def swap(
     config = as_layer_mix(config)  # a HeadMix alone: the same on every layer
     if isinstance(config, LayerMix):
         config.check_layers(adapter.spec(model).num_layers)  # before unswapping an earlier swap
+        config = own_theta_per_layer_type(model, config)  # Gemma 3: "its own θ" differs by layer type
     previous: SwapState | None = getattr(model, STATE_ATTR, None)
     if previous is not None and not replace:
         raise AlreadySwappedError(
