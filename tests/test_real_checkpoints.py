@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SCHEMES
+from conftest import SCHEMES, refuses
 
 import hf_posswap as ps
 
@@ -42,6 +42,11 @@ def test_minilm_swaps_to_every_scheme(minilm, scheme: str) -> None:
                       padding=True, return_tensors="pt")
     with torch.no_grad():
         before = model(**batch).last_hidden_state
+        if refuses("bert", scheme):  # causal-only schemes (xpos): refused before any edit, model unchanged
+            with pytest.raises(ps.InvalidConfigError, match="causal"):
+                ps.swap(model, scheme)
+            assert torch.equal(model(**batch).last_hidden_state, before)
+            return
         ps.swap(model, scheme)
         try:
             after = model(**batch).last_hidden_state
