@@ -67,11 +67,10 @@ if TYPE_CHECKING:
         Llama3Scaling,
         LongRopeScaling,
         NTKScaling,
-        ReRoPE,
         RopeScaling,
-        SelfExtend,
         YarnScaling,
     )
+    from .schemes.two_pass import ReRoPE, SelfExtend
 
 #: public name -> the module (below hf_posswap) that defines it
 _EXPORTS = {
@@ -87,7 +86,8 @@ _EXPORTS = {
                      "ProportionalRopeConfig", "RopeConfig", "SandwichConfig", "SchemeConfig", "SinusoidalConfig",
                      "T5BiasConfig", "XposConfig", "register_scheme"), "schemes"),
     **dict.fromkeys(("DynamicNTKScaling", "LinearScaling", "Llama3Scaling", "LongRopeScaling", "NTKScaling",
-                     "ReRoPE", "RopeScaling", "SelfExtend", "YarnScaling"), "schemes.rope_scaling"),
+                     "RopeScaling", "YarnScaling"), "schemes.rope_scaling"),
+    **dict.fromkeys(("ReRoPE", "SelfExtend"), "schemes.two_pass"),
     # imported on first use in every process: peft's helpers, the standalone export and save_native
     **dict.fromkeys(("load_adapter", "lora_config", "save_adapter", "trainable_position_modules"),
                     "persistence.adapters"),

@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, repea
 import hf_posswap as ps
 from hf_posswap.core import self_extend
 from hf_posswap.core.state import swap_state
-from hf_posswap.schemes.rope_scaling import ReRoPE
+from hf_posswap.schemes.two_pass import ReRoPE
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}
 WINDOW, LEAK, TARGET = 16, 8.0, 4 * MAX_POSITIONS

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..schemes.rope import apply_rotary
-from ..schemes.rope_scaling import TwoPassSettings
+from ..schemes.two_pass import TwoPassSettings
 from .context import PositionContext
 
 #: logits (batch x heads x queries x keys) one query chunk holds at once: 2**24 values, 64 MiB in fp32

@@ -28,7 +28,7 @@ from ..families.base import FamilyAdapter, get_family
 from ..schemes.base import SCHEME_REGISTRY, ModelSpec, NativeWeightsMissingWarning, SchemeConfig
 from ..schemes.mix import LayerMix
 from ..schemes.rope import RopeConfig
-from ..schemes.rope_scaling import SelfExtend
+from ..schemes.two_pass import SelfExtend
 from .attention import CARRIERS
 from .context import POSITIONS_ATTR, PositionForward, PositionHook
 from .mix import as_layer_mix, layer_plan, mix_on_layers, own_theta_per_layer_type

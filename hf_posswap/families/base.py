@@ -17,7 +17,7 @@ from ..errors import UnsupportedFamilyError
 from ..registry import Registry
 from ..schemes.base import ModelSpec, NoPositions
 from ..schemes.rope import RopeConfig
-from ..schemes.rope_scaling import SelfExtend
+from ..schemes.two_pass import SelfExtend
 
 
 class FamilyAdapter:

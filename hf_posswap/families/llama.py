@@ -13,7 +13,7 @@ from torch import nn
 
 from ..edits import Edit
 from ..schemes.rope import RopeConfig
-from ..schemes.rope_scaling import SelfExtend
+from ..schemes.two_pass import SelfExtend
 from .base import FamilyAdapter, rebuild_rotary_edits, register_family
 
 

@@ -22,7 +22,8 @@ from ..errors import InvalidConfigError
 REMOTE_FILE = "modeling_posswap.py"
 #: hf_posswap modules bundled into the remote file, in dependency order
 BUNDLED = (
-    "errors", "registry", "edits", "schemes/base", "schemes/rope_scaling", "schemes/learned", "schemes/sinusoidal",
+    "errors", "registry", "edits", "schemes/base", "schemes/rope_scaling", "schemes/two_pass", "schemes/learned",
+    "schemes/sinusoidal",
     "schemes/nope", "schemes/rope", "schemes/fused_alibi", "schemes/alibi", "schemes/fused_t5", "schemes/t5",
     "schemes/kerple", "schemes/sandwich", "schemes/fire", "schemes/head_mix", "schemes/mix", "schemes/xpos",
     "schemes/proportional",

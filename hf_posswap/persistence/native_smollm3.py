@@ -30,7 +30,7 @@ from ..errors import InvalidConfigError
 from ..schemes.base import SchemeConfig
 from ..schemes.nope import NoPEConfig
 from ..schemes.rope import RopeConfig
-from ..schemes.rope_scaling import SelfExtend
+from ..schemes.two_pass import SelfExtend
 
 TARGET = "smollm3"
 #: keys of a LLaMA config that a SmolLM3 config does not take (``pretraining_tp`` is unused by 5.x's LLaMA)

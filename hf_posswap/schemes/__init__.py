@@ -1,6 +1,7 @@
 """Position schemes. Importing this package registers every built-in scheme, in this order."""
 
 # isort: off
+from .two_pass import ReRoPE, SelfExtend  # registers the two-pass RoPE scalings
 from .learned import LearnedConfig, LearnedPositions
 from .sinusoidal import SinusoidalConfig, SinusoidalPositions, sinusoidal_table
 from .nope import NoPEConfig
@@ -49,12 +50,14 @@ __all__ = [
     "NoPEConfig",
     "NoPositions",
     "ProportionalRopeConfig",
+    "ReRoPE",
     "RopeConfig",
     "RotaryEmbedding",
     "RotaryPositions",
     "SandwichBias",
     "SandwichConfig",
     "SchemeConfig",
+    "SelfExtend",
     "SinusoidalConfig",
     "SinusoidalPositions",
     "T5BiasConfig",
