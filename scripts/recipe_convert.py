@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from readme_section import replace_section
 from recipe_extend import tiny_checkpoint, training_files, window_perplexity
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -195,6 +196,17 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readme_body(results: dict, results_path: Path, readme: Path) -> str:
+    """The README section: the command, the table, the curves."""
+    import os
+
+    picture = Path(os.path.relpath(results_path.with_suffix(".png"), readme.resolve().parent)).as_posix()
+    command = "python scripts/recipe_convert.py" + (" --quick" if results["mode"] == "quick" else "")
+    return (f"`{command} --readme README.md` ({results['seconds'] / 60:.0f} min on {results['threads']} CPU "
+            f"threads, torch {torch.__version__}):\n\n{markdown(results)}\n![held-out perplexity against training "
+            f"steps]({picture})\n")
+
+
 def plot(results: dict, path: Path) -> None:
     from hf_posswap.evaluation.plots import _plain_value_axis, _pyplot, _save
 
@@ -222,6 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, help="runs go here (default: outputs/recipe_convert[_quick])")
     parser.add_argument("--results", type=Path, help="JSON results (default: scripts/results/recipe_convert.json; "
                         "--quick: <work-dir>/recipe_convert.json); the table (.md) and curves (.png) go beside it")
+    parser.add_argument("--readme", type=Path,
+                        help="README to refresh between <!-- recipe-convert:start/end --> markers")
     return parser.parse_args(argv)
 
 
@@ -276,6 +290,8 @@ def run(args: argparse.Namespace, settings: Settings, base: Path, work: Path, re
         write_file_atomic(results_path, json.dumps(results, indent=2) + "\n")  # after every variant
     write_file_atomic(results_path.with_suffix(".md"), markdown(results))
     plot(results, results_path.with_suffix(".png"))
+    if args.readme:
+        replace_section(args.readme, "recipe-convert", readme_body(results, results_path, args.readme))
     print(markdown(results))
     print(f"wrote {results_path} and its .md / .png ({results['seconds']:.0f} s)")
     return results

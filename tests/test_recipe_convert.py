@@ -35,7 +35,9 @@ def test_extrapolation_refuses_a_curve_that_does_not_fall() -> None:
 
 @pytest.mark.slow
 def test_quick_mode_runs_every_variant_and_writes_table_and_curves(tmp_path: Path) -> None:
-    results = recipe_convert.main(["--quick", "--work-dir", str(tmp_path)])
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n<!-- recipe-convert:start -->\nold\n<!-- recipe-convert:end -->\ntail\n", encoding="utf-8")
+    results = recipe_convert.main(["--quick", "--work-dir", str(tmp_path), "--readme", str(readme)])
     written = json.loads((tmp_path / "recipe_convert.json").read_text(encoding="utf-8"))
     assert [row["variant"] for row in written["rows"]] == list(recipe_convert.variants(2, recipe_convert.QUICK))
     settings = recipe_convert.QUICK
@@ -53,6 +55,10 @@ def test_quick_mode_runs_every_variant_and_writes_table_and_curves(tmp_path: Pat
     assert "| native (RoPE) |" in table and "| alibi-plain-full |" in table
     assert (tmp_path / "recipe_convert.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(json.dumps(results["rows"])) == written["rows"]
+    section = readme.read_text(encoding="utf-8")
+    assert "old" not in section and section.endswith("<!-- recipe-convert:end -->\ntail\n")
+    assert "`python scripts/recipe_convert.py --quick --readme README.md`" in section
+    assert "| alibi-plain-full |" in section and "](recipe_convert.png)" in section
 
 
 def test_unknown_variant_is_refused_by_name(tmp_path: Path) -> None:
