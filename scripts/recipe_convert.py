@@ -70,11 +70,11 @@ class Settings:
 
 
 # Budget (2 CPU cores): a LoRA step at seq 2,048 (batch 1) took 15 s on idle cores in recipe_extend.py; a full step
-# is dearer (AdamW over 135M weights), a distillation step adds the teacher's forward. Per variant 24 steps of
-# training (~6-9 min), 5 curve points x 2 blocks, the two reference forwards (2,048 and 10,240 tokens) and saving:
-# ~8-11 min; the five variants ~45-55 min. The curves are short: `steps_to_target` extrapolates them.
-FULL = Settings(steps=24, seq_len=2048, batch_size=1, lr_lora=5e-4, lr_full=1e-4, warmup_steps=3, lora_r=16,
-                lora_alpha=32, eval_every=6, eval_blocks=2, short=2048, long_window=10_240, long_scored=2048,
+# is dearer (AdamW over 135M weights), a distillation step adds the teacher's forward. Per variant 20 steps of
+# training (~5-8 min), 5 curve points x 2 blocks, the two reference forwards (2,048 and 10,240 tokens) and saving:
+# ~7-10 min; the five variants ~40 min. The curves are short: `steps_to_target` extrapolates them.
+FULL = Settings(steps=20, seq_len=2048, batch_size=1, lr_lora=5e-4, lr_full=1e-4, warmup_steps=2, lora_r=16,
+                lora_alpha=32, eval_every=5, eval_blocks=2, short=2048, long_window=10_240, long_scored=2048,
                 nope_interval=4, chars_per_token=3.9)
 QUICK = Settings(steps=4, seq_len=64, batch_size=2, lr_lora=1e-3, lr_full=1e-3, warmup_steps=0, lora_r=4,
                  lora_alpha=8, eval_every=2, eval_blocks=2, short=128, long_window=512, long_scored=128,
