@@ -37,6 +37,7 @@ from torch import nn
 
 from ..errors import InvalidConfigError
 from ..schemes.rope import apply_rotary
+from .rotation import rotate_pairs, rotate_pairs_
 
 #: attribute of a transformers cache layer that records its rotated slots
 MARKER = "posswap_rotated_keys"
@@ -64,12 +65,17 @@ def scales_keys(positions: nn.Module | None) -> bool:
     return bool(getattr(positions, "scales_keys", False))
 
 
-def rotary_inputs(module: nn.Module, query: torch.Tensor, key: torch.Tensor, context: Any) -> tuple[torch.Tensor, ...]:
+def rotary_inputs(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, context: Any, query_in_place: bool = False
+) -> tuple[torch.Tensor, ...]:
     """Rotated (q [B, H, q, D], k [B, Hkv, kv, D]) for a :class:`~hf_posswap.core.context.PositionContext`.
 
     Keys held by a cache layer (see :func:`cache_layer`) are rotated once, in place; other keys are all rotated,
-    out of place, with the positions the context gives them. xPos (:func:`scales_keys`) counts positions from a
-    reference that queries and keys share: the centre of the call's positions, or the one a cache layer recorded.
+    out of place, with the positions the context gives them (they may be a cache's tensor that the model made
+    itself, which must stay unrotated). ``query_in_place``: the caller reads the query only through the result,
+    so it may be rotated where it lies (when it needs no gradient). xPos (:func:`scales_keys`) counts positions
+    from a reference that queries and keys share: the centre of the call's positions, or the one a cache layer
+    recorded.
     """
     scheme = context.positions
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -77,16 +83,18 @@ def rotary_inputs(module: nn.Module, query: torch.Tensor, key: torch.Tensor, con
     rows = context.row_positions
     if rows is not None and rows.shape[-1] == q_len == kv_len:  # explicit positions (PoSE): no cache
         reference = rows[..., q_len // 2 : q_len // 2 + 1]  # [B, 1]: each row's middle position
-        query = rotate(query, *_row_angles(context, scheme, rows, seq_len, False, reference), context)
+        query = rotate(query, *_row_angles(context, scheme, rows, seq_len, False, reference), context, query_in_place)
         return query, rotate(key, *_row_angles(context, scheme, rows, seq_len, True, reference), context)
     layer = cache_layer(module, key, q_len, context)
     if layer is None:
         start = context.key_start(q_len, kv_len)
         reference = start + kv_len // 2  # the centre of the keys (the queries are among them)
-        query = rotate(query, *angles(context, context.query_offset, q_len, seq_len, query.device, reference), context)
+        cos, sin = angles(context, context.query_offset, q_len, seq_len, query.device, reference)
+        query = rotate(query, cos, sin, context, query_in_place)
         return query, rotate(key, *angles(context, start, kv_len, seq_len, key.device, reference, True), context)
     done, reference = _rotated_prefix(layer, key, q_len, context)
-    query = rotate(query, *angles(context, context.query_offset, q_len, seq_len, query.device, reference), context)
+    cos, sin = angles(context, context.query_offset, q_len, seq_len, query.device, reference)
+    query = rotate(query, cos, sin, context, query_in_place)
     return query, _rotate_cached(layer, key, q_len, context, done, reference)
 
 
@@ -114,36 +122,23 @@ def angles(
     return found
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: Any) -> torch.Tensor:
-    """``apply_rotary(x, cos, sin)`` for x [B, H, n, D], in fewer passes over x: one token (a decode step) is one
-    matmul with its rotation matrix (same values to float rounding); more tokens are rotated with a sign-folded
-    sin and in-place products (the same values, bit for bit). Both helpers are built once per forward."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: Any, in_place: bool = False) -> torch.Tensor:
+    """``apply_rotary(x, cos, sin)`` for x [B, H, n, D], with fewer passes over x and no full-size temporaries: one
+    token (a decode step) is one matmul with its rotation matrix (same values to float rounding, the matrix built
+    once per forward); more tokens are rotated pair-wise in blocks of positions (:mod:`~hf_posswap.core.rotation`:
+    the same values bit for bit, and a backward that is one inverse rotation). ``in_place``: the caller owns x and
+    nobody reads it unrotated again, so x may be rotated where it lies when nothing needs a gradient (the result
+    is then x itself)."""
     if sin.requires_grad or cos.requires_grad:  # a trainable rotation: keep autograd's view of every product
         return apply_rotary(x, cos, sin)
     if x.shape[-2] == 1 and cos.dim() == 2:
         return torch.matmul(x, _rotation_matrix(context, cos, sin, x.shape[-1], x.dtype))
-    rotary_dim, half = cos.shape[-1], cos.shape[-1] // 2
-    signed_sin = _signed_sin(context, sin, x.dtype)
-    cos = cos.to(x.dtype)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if cos.dim() == 3:  # per-row positions [B, L, r] -> [B, 1, L, r] (broadcast over heads)
-        cos = cos[:, None]
-    part = x[..., :rotary_dim]
-    # rotate_half(x) * sin = cat(x2, x1) * cat(-sin1, sin2): the sign moves onto sin, the products happen in place
-    rotated = (part * cos).add_(torch.cat((part[..., half:], part[..., :half]), dim=-1).mul_(signed_sin))
-    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1) if rotary_dim < x.shape[-1] else rotated
-
-
-def _signed_sin(context: Any, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """cat(-sin1, sin2) in ``dtype`` ([L, r], or [B, 1, L, r] for per-row positions), once per forward."""
-    memo_key = ("rope-signed-sin", id(sin), dtype)
-    found = context.memo.get(memo_key)
-    if found is None:
-        half = sin.shape[-1] // 2
-        found = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(dtype)
-        if found.dim() == 3:
-            found = found[:, None]
-        context.memo[memo_key] = found
-    return found
+        cos, sin = cos[:, None], sin[:, None]
+    if in_place and _writable(x) and 0 not in x.stride():  # (an expanded x shares memory between its elements)
+        return rotate_pairs_(x, cos, sin)
+    return rotate_pairs(x, cos, sin)
 
 
 def _rotation_matrix(context: Any, cos: torch.Tensor, sin: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -197,7 +192,9 @@ def _rotate_cached(layer: Any, key: torch.Tensor, q_len: int, context: Any, done
     end = context.query_offset + q_len
     if _writable(key):
         tail = key[:, :, done:end]
-        tail.copy_(rotate(tail, *angles(context, done, end - done, end, key.device, reference, True), context))
+        rotated = rotate(tail, *angles(context, done, end - done, end, key.device, reference, True), context, True)
+        if rotated is not tail:  # a decode step's matrix product, or a trainable rotation
+            tail.copy_(rotated)
         setattr(layer, MARKER, RotatedKeys(end, rotation_signature(context, key.device), reference))
         return key
     # never written (keys that require grad, inference tensors): rotate the rest out of place at every step

@@ -28,7 +28,7 @@ BUNDLED = (
     "schemes/kerple", "schemes/sandwich", "schemes/fire", "schemes/head_mix", "schemes/mix", "schemes/xpos",
     "schemes/proportional",
     "families/base", "families/gpt2", "families/bert", "families/llama", "families/gemma3",
-    "families/phi3", "families/gpt_neox", "families/roberta", "core/state", "core/native",
+    "families/phi3", "families/gpt_neox", "families/roberta", "core/state", "core/native", "core/rotation",
     "core/rotary_cache", "core/context", "core/self_extend", "core/attention", "core/mix", "core/swap", "core/extend",
     "persistence/autoload", "persistence/restore",
 )
