@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -191,11 +192,19 @@ def _reset_peak() -> bool:
     return True
 
 
-def measure_memory(family: str, scheme: str | None, length: int, shape: Shape, threads: int) -> dict:
-    """memory_probe in a fresh interpreter (VmHWM, not ru_maxrss, which would carry the parent's over fork)."""
+def measure_memory(
+    family: str, scheme: str | None, length: int, shape: Shape, threads: int, mmap_threshold: int | None = None
+) -> dict:
+    """memory_probe in a fresh interpreter (VmHWM, not ru_maxrss, which would carry the parent's over fork).
+
+    ``mmap_threshold`` (bytes) fixes glibc's ``MALLOC_MMAP_THRESHOLD_`` in that interpreter: every allocation of at
+    least that size is its own mapping, given back when freed, so VmHWM follows the peak of live tensors instead of
+    how fragmented the heap got (glibc raises its threshold to the size of each freed mapping, up to 32 MiB, after
+    which tensors up to that size are carved from the heap and their freed pages stay resident)."""
     call = f"b.memory_probe({family!r}, {scheme!r}, {length}, {dataclasses.asdict(shape)!r}, {threads})"
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import bench_speed as b; {call}"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    env = None if mmap_threshold is None else {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(mmap_threshold)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if result.returncode != 0:
         tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
         return {"error": f"exit {result.returncode}: {tail}"}
@@ -223,7 +232,8 @@ def timing_row(case: str, length: int, measure: str, native: PreTrainedModel, pa
 def memory_rows(case: str, length: int, settings: argparse.Namespace) -> list[dict]:
     """Two rows: peak MB of the whole process, and peak MB over the idle process (the one the target judges)."""
     family, scheme = CASES[case]
-    native, patched = (measure_memory(family, s, length, settings.shape, settings.threads) for s in (None, scheme))
+    native, patched = (measure_memory(family, s, length, settings.shape, settings.threads, settings.mmap_threshold)
+                       for s in (None, scheme))
     failed = native.get("error") or patched.get("error")
     rows = []
     for measure, key in (("memory-total", "peak_mb"), ("memory", "over_idle_mb")):
@@ -319,7 +329,11 @@ def markdown(rows: list[dict], settings: argparse.Namespace, minutes: float) -> 
         f"per timing; ratio = median of the per-pair patched / native ratios (min–max over the pairs). Decode: "
         f"{settings.new_tokens} greedy cached steps after the prompt, prefill not timed. Memory: one forward in a "
         "fresh process per model; the target judges the peak over the idle process (the whole process's peak, "
-        "interpreter and weights included, dilutes the ratio). ✓ / ✗: within / over issue 10's target. "
+        "interpreter and weights included, dilutes the ratio)"
+        + (f"; glibc's mmap threshold fixed at {settings.mmap_threshold:,} bytes in those processes, so freed tensors "
+           "leave the process and the peak follows live tensors, not heap fragmentation"
+           if settings.mmap_threshold else "")
+        + ". ✓ / ✗: within / over issue 10's target. "
         f"Training steps up to {settings.max_train_length:,} tokens. The run took {minutes:.0f} min.",
         "",
         "| case | " + " | ".join(header for _, _, header in SUMMARY) + " |",
@@ -349,6 +363,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", nargs="+", default=["forward", "train", "decode"],
                         choices=["forward", "train", "decode"])
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--mmap-threshold", type=positive, metavar="BYTES",
+                        help="memory probes: fix glibc's MALLOC_MMAP_THRESHOLD_ (e.g. 65536) so the peak follows live "
+                             "tensors, not heap fragmentation (default: glibc's dynamic threshold)")
     parser.add_argument("--repeats", type=positive, help="alternating pairs per timing (default 5)")
     parser.add_argument("--new-tokens", type=positive, help="cached decode steps timed after the prompt (default 32)")
     parser.add_argument("--max-train-length", type=positive, default=2048, help="skip training steps above this")

@@ -178,3 +178,23 @@ def test_readme_section_needs_its_markers(tmp_path) -> None:
     readme.write_text("no markers here\n", encoding="utf-8")
     with pytest.raises(SystemExit, match=r"has no '<!-- bench-tiny:start -->' ... '<!-- bench-tiny:end -->' markers"):
         replace_section(readme, "bench-tiny", "table")
+
+
+def test_bench_speed_memory_probes_can_fix_the_mmap_threshold(monkeypatch) -> None:
+    """--mmap-threshold reaches glibc in the probe processes (MALLOC_MMAP_THRESHOLD_); without it they inherit the
+    environment unchanged; the table says which."""
+    seen: list[dict | None] = []
+
+    def probe(command, **kwargs):
+        seen.append(kwargs.get("env"))
+        return type("Done", (), {"returncode": 0, "stdout": '{"peak_mb": 2.0, "over_idle_mb": 1.0}', "stderr": ""})
+
+    monkeypatch.setattr(bench_speed.subprocess, "run", probe)
+    settings = bench_speed.parse_args(["--quick", "--mmap-threshold", "65536"])
+    rows = bench_speed.memory_rows("gpt2-rope", 64, settings)
+    assert [env["MALLOC_MMAP_THRESHOLD_"] for env in seen] == ["65536", "65536"] and rows[1]["ratio"] == 1.0
+    assert "mmap threshold fixed at 65,536 bytes" in bench_speed.markdown(rows, settings, 1.0)
+    seen.clear()
+    default = bench_speed.parse_args(["--quick"])
+    bench_speed.memory_rows("gpt2-rope", 64, default)
+    assert seen == [None, None] and "mmap threshold" not in bench_speed.markdown(rows, default, 1.0)
