@@ -48,13 +48,14 @@ def blocks(request, monkeypatch) -> None:
         monkeypatch.setattr(rotation, "BLOCK_ELEMENTS", BATCH * HEADS * HEAD_DIM // 2 * 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "fused-qkv"])
-def test_rotation_equals_transformers_bit_for_bit(layout: str, blocks: None) -> None:
-    x = layouts()[layout]
-    cos, sin = cos_sin(LENGTH, HEAD_DIM, tied=False)
+def test_rotation_equals_transformers_bit_for_bit(layout: str, dtype: torch.dtype, blocks: None) -> None:
+    x = layouts()[layout].to(dtype)
+    cos, sin = (t.to(dtype) for t in cos_sin(LENGTH, HEAD_DIM, tied=False))
     expected, _ = apply_rotary_pos_emb(x, x, cos, sin, unsqueeze_dim=0)
     assert torch.equal(rotation.rotate_pairs(x, cos, sin), expected)
-    in_place = x.clone() if layout == "contiguous" else x
+    in_place = x.clone() if layout == "contiguous" else x  # (the others are fresh views)
     assert rotation.rotate_pairs_(in_place, cos, sin) is in_place and torch.equal(in_place, expected)
 
 
