@@ -232,8 +232,9 @@ def test_recipe_script_quick_mode_writes_its_table(tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     import recipe_extend
 
-    results = recipe_extend.main(["--quick", "--work-dir", str(tmp_path)])
-    assert results["seconds"] < 60
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- recipe-extend:start -->\nold\n<!-- recipe-extend:end -->\n", encoding="utf-8")
+    recipe_extend.main(["--quick", "--work-dir", str(tmp_path), "--readme", str(readme)])
     written = json.loads((tmp_path / "recipe_extend.json").read_text(encoding="utf-8"))
     assert [row["model"] for row in written["rows"]] == ["native (no scaling)", "yarn, zero-shot",
                                                          "yarn + PoSE LoRA, 3 steps"]
@@ -241,3 +242,12 @@ def test_recipe_script_quick_mode_writes_its_table(tmp_path: Path) -> None:
     assert "typing.py" not in written["training"]["files"] and written["training"]["tokens"] == 3 * 2 * 64
     table = (tmp_path / "recipe_extend.md").read_text(encoding="utf-8")
     assert "| yarn + PoSE LoRA, 3 steps |" in table and "passkey 512" in table
+    section = readme.read_text(encoding="utf-8")
+    assert "old" not in section and "`python scripts/recipe_extend.py --quick --readme README.md`" in section
+    assert table in section
+    # --report rewrites the table and the section from the JSON alone (no run)
+    (tmp_path / "recipe_extend.md").unlink()
+    readme.write_text("<!-- recipe-extend:start -->\nstale\n<!-- recipe-extend:end -->\n", encoding="utf-8")
+    again = recipe_extend.main(["--report", str(tmp_path / "recipe_extend.json"), "--readme", str(readme)])
+    assert again == written and (tmp_path / "recipe_extend.md").read_text(encoding="utf-8") == table
+    assert table in readme.read_text(encoding="utf-8")
