@@ -124,15 +124,17 @@ def test_assisted_decoding_crops_the_cache_and_stays_exact() -> None:
 
 
 def count_rotated_rows(monkeypatch) -> list[int]:
-    """Rows (positions) rotated by each rotation in rotary_cache (all go through ``rotate``)."""
+    """Rows (positions) rotated by each rotation in rotary_cache, counted at its primitives: the pair-wise block
+    rotation (in place or not), the one-matrix product of a few tokens, and the formula of a trainable rotation."""
     rows: list[int] = []
-    rotate = rotary_cache.rotate
+    for name in ("rotate_pairs", "rotate_pairs_", "_turn", "apply_rotary"):
+        primitive = getattr(rotary_cache, name)
 
-    def counting(x: torch.Tensor, *args) -> torch.Tensor:
-        rows.append(x.shape[-2])
-        return rotate(x, *args)
+        def counting(x: torch.Tensor, *args, primitive=primitive) -> torch.Tensor:
+            rows.append(x.shape[-2])
+            return primitive(x, *args)
 
-    monkeypatch.setattr(rotary_cache, "rotate", counting)
+        monkeypatch.setattr(rotary_cache, name, counting)
     return rows
 
 
@@ -166,7 +168,77 @@ def test_cos_sin_are_computed_once_per_forward_not_per_layer() -> None:
         calls.clear()
         for _ in range(3):
             model(input_ids=tokens(1, 1), past_key_values=cache)
-    assert len(calls) == 3  # one cos/sin per decode step, shared by the query, the new key and the 4 layers
+        assert len(calls) == 1  # decode steps: one cos/sin for the next STEP_BLOCK positions, for every layer
+        for _ in range(rotary_cache.STEP_BLOCK):
+            model(input_ids=tokens(1, 1), past_key_values=cache)
+    assert len(calls) == 2  # the steps past the first block made the next one
+
+
+def decode_logits(model, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy decode with a DynamicCache: the logits of every step [steps, vocab]."""
+    cache, logits = DynamicCache(), []
+    with torch.no_grad():
+        token = prompt
+        for _ in range(steps):
+            step_logits = model(input_ids=token, past_key_values=cache).logits[:, -1]
+            logits.append(step_logits)
+            token = step_logits.argmax(-1, keepdim=True)
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_decode_fast_path_is_taken_and_equals_the_general_path(family: str, monkeypatch) -> None:
+    """Decode steps take the one-matrix fast path across two blocks of step matrices (LLaMA: partial RoPE), with
+    the values of the general path (matrix made from this step's cos/sin), which the full recompute tests pin."""
+    model = rope_model(family)
+    steps = rotary_cache.STEP_BLOCK + 10
+    general = rotary_cache._decode_step
+    taken = []
+
+    def counting(*args):
+        found = general(*args)
+        taken.append(found is not None)
+        return found
+
+    monkeypatch.setattr(rotary_cache, "_decode_step", counting)
+    fast = decode_logits(model, tokens(1, 12), steps)
+    assert sum(taken) == (steps - 1) * model.config.num_hidden_layers  # every layer of every step after prefill
+    monkeypatch.setattr(rotary_cache, "_decode_step", lambda *args: None)
+    torch.testing.assert_close(fast, decode_logits(model, tokens(1, 12), steps), atol=1e-5, rtol=1e-5)
+
+
+def test_step_matrices_follow_a_changed_rotation() -> None:
+    """The step matrices are kept per scheme module between forwards: changing its frequencies in place (a new
+    tensor version) must make new ones, or decoding would keep the old rotation."""
+    model = rope_model("gpt2")
+    before = decode_logits(model, tokens(1, 12), 4)
+    with torch.no_grad():
+        model.transformer.posswap_positions.inv_freq.mul_(0.5)
+    after = decode_logits(model, tokens(1, 12), 4)
+    reference = make_model("gpt2")
+    ps.swap(reference, "rope")
+    with torch.no_grad():
+        reference.transformer.posswap_positions.inv_freq.copy_(model.transformer.posswap_positions.inv_freq)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, decode_logits(reference, tokens(1, 12), 4), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rotary_dim", [16, 8], ids=["full", "partial"])
+def test_rotation_matrices_equal_the_formula(rotary_dim: int, dtype: torch.dtype) -> None:
+    """x @ R(p) equals transformers' rotate-half formula on the first r dims and x on the others."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2) / rotary_dim)
+    freqs = torch.arange(5.0)[:, None] * inv_freq
+    cos, sin = torch.cat((freqs, freqs), -1).cos().to(dtype), torch.cat((freqs, freqs), -1).sin().to(dtype)
+    x = torch.randn(2, 3, 5, 16).to(dtype)  # [B, H, positions, D]
+    matrices = rotary_cache._rotation_matrices(cos, sin, 16)  # [5, 16, 16]
+    rotated = torch.einsum("bhpd,pde->bhpe", x, matrices)
+    expected, _ = apply_rotary_pos_emb(x[..., :rotary_dim], x[..., :rotary_dim], cos[None], sin[None])
+    tolerance = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(rotated[..., :rotary_dim], expected, **tolerance)
+    assert torch.equal(rotated[..., rotary_dim:], x[..., rotary_dim:])
 
 
 def unrotated_keys(model, input_ids: torch.Tensor) -> DynamicCache:
