@@ -111,6 +111,8 @@ def _decode_step(layer: Any, query: torch.Tensor, key: torch.Tensor, context: An
     marker = getattr(layer, MARKER, None)
     if query.shape[2] != 1 or marker is None or marker.count < offset or marker.reference or not _writable(key):
         return None
+    if query.requires_grad:  # the kept matrices stay out of autograd (they may be inference tensors)
+        return None
     matrix = _step_matrix(context, offset, query.device, query.dtype, query.shape[-1])
     if matrix is None or marker.signature is not context.memo["rope-signature"]:
         return None  # (a marker of another rotation: the general path explains the refusal)
