@@ -9,6 +9,7 @@ import torch
 from conftest import VOCAB, make_model, swapped
 
 import hf_posswap as ps
+from hf_posswap.schemes import fused_t5
 from hf_posswap.schemes import t5 as t5_module
 from hf_posswap.schemes.base import FusedCall
 from hf_posswap.schemes.fused_t5 import fused_t5_attention, saturation_distance
@@ -111,6 +112,36 @@ def test_fused_equals_dense_float64(case: str) -> None:
     fused, dense = fused_and_dense(CASES[case], torch.float64)
     assert_all_close(fused[:4], dense[:4], atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(fused[4], dense[4], atol=ATOL, rtol=RTOL)
+
+
+# cases with several band blocks of 64 queries (a block per chunk at chunk 1)
+CHUNK_CASES = {
+    **{name: case for name, case in CASES.items() if case[3] > 1},
+    "prefill-three-blocks": (1, 4, 2, 150, 150, 0, True),
+    "static-three-blocks": (1, 4, 2, 140, 170, 0, True),
+    "bidirectional-three-blocks": (2, 4, 2, 150, 150, 0, False),
+}
+
+
+@pytest.mark.parametrize("chunk", [1, 1 << 22], ids=["block-by-block", "default-chunks"])
+@pytest.mark.parametrize("case", list(CHUNK_CASES), ids=list(CHUNK_CASES))
+def test_fused_without_grad_runs_the_band_in_chunks_and_equals_dense(case: str, chunk: int, monkeypatch) -> None:
+    """Under no_grad the band runs in chunks of blocks (bounded logits); it must equal the dense path as the
+    all-at-once band of training does (chunk 1: every block alone, so edge blocks land in their own chunks)."""
+    monkeypatch.setattr(fused_t5, "CHUNK_ELEMENTS", chunk)
+    batch, heads, kv_heads, q_len, kv_len, offset, causal = CHUNK_CASES[case]
+    torch.manual_seed(0)
+    module = T5RelativeBias(heads, 2, 8, 16, True)
+    for table in module.tables:
+        torch.nn.init.normal_(table.weight, std=2.0)
+    query = torch.randn(batch, heads, q_len, 8)
+    key, value = torch.randn(batch, kv_heads, kv_len, 8), torch.randn(batch, kv_heads, kv_len, 8)
+    query_pos, key_pos = torch.arange(q_len) + offset, torch.arange(kv_len) + max(offset + q_len - kv_len, 0)
+    call = FusedCall(query, key, value, None, query_pos, key_pos, 0, causal, 8**-0.5, 0.0, {})
+    with torch.no_grad():
+        fused = module.fused_attention(call)
+        dense = dense_attention(module, query, key, value, query_pos, key_pos, causal, 8**-0.5, 0)
+    torch.testing.assert_close(fused, dense, atol=ATOL, rtol=RTOL)
 
 
 def test_fused_per_layer_tables() -> None:

@@ -26,6 +26,8 @@ import torch
 
 #: queries per band block (the band costs ``(Bq + span - 1) / span`` of its useful work; smaller blocks cost calls)
 BAND_BLOCK = 64
+#: band logits computed at once when no gradient is needed (2**22 float32 = 16 MiB)
+CHUNK_ELEMENTS = 1 << 22
 #: logit of a masked band entry: finite, so a fully masked (padding) row stays finite; exp() of it is exactly 0
 MASKED = -1e30
 
@@ -180,8 +182,11 @@ def _fold(windows: torch.Tensor, band: Band, kv_len: int) -> torch.Tensor:
 # -- the parts ----------------------------------------------------------------------------------------------------
 
 
-def _band_logits(qb: torch.Tensor, kw: torch.Tensor, bias: torch.Tensor, band: Band, scale: float) -> torch.Tensor:
-    """Scaled band logits [B, Hkv, n, G*Bq, W] with the bias [H, Bq, W] added and keys outside [0, kv) masked."""
+def _band_logits(
+    qb: torch.Tensor, kw: torch.Tensor, bias: torch.Tensor, band: Band, scale: float, first_block: int = 0
+) -> torch.Tensor:
+    """Scaled band logits [B, Hkv, n, G*Bq, W] with the bias [H, Bq, W] added and keys outside [0, kv) masked;
+    ``qb``/``kw`` may hold blocks ``first_block ..`` only (a chunk of the band)."""
     scores = torch.matmul(qb * scale, kw.transpose(-1, -2))
     batch, kv_heads, blocks, rows, width = scores.shape
     heads = bias.shape[0]
@@ -189,8 +194,48 @@ def _band_logits(qb: torch.Tensor, kw: torch.Tensor, bias: torch.Tensor, band: B
         bias.view(kv_heads, 1, heads // kv_heads, band.block, width)
     )
     for m, outside in band.edges:
-        scores[:, :, m].masked_fill_(outside, MASKED)
+        if first_block <= m < first_block + blocks:
+            scores[:, :, m - first_block].masked_fill_(outside, MASKED)
     return scores
+
+
+def _band_forward(
+    qb: torch.Tensor, kw: torch.Tensor, vw: torch.Tensor, bias: torch.Tensor, band: Band, scale: float,
+    first_block: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-sum-exp [B, Hkv, n, G*Bq, 1], output [B, Hkv, n, G*Bq, D], probabilities [.., W]) of the band blocks
+    in ``qb`` (windows ``kw``, ``vw``), starting at block ``first_block``."""
+    scores = _band_logits(qb, kw, bias, band, scale, first_block)
+    # torch.softmax is one fused pass (exp of masked entries by hand takes a slow underflow path on CPU);
+    # the largest probability is exp(top - lse), which gives the log-sum-exp to an ulp
+    top = scores.amax(-1, keepdim=True)
+    probs = torch.softmax(scores, -1)
+    del scores
+    return top - probs.amax(-1, keepdim=True).log(), torch.matmul(probs, vw), probs
+
+
+def _band(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, band: Band, scale: float, keep: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The band's (log-sum-exp [B, H, q], output [B, H, q, D], probabilities or None). ``keep``: the backward needs
+    the probabilities, computed for every block at once; otherwise blocks run in chunks whose logits hold at most
+    :data:`CHUNK_ELEMENTS` numbers, so inference never holds the whole band's ``[n, G*Bq, W]`` logits (at 8,192
+    bidirectional tokens, 8 heads: 76 MiB, twice with the probabilities)."""
+    heads, kv_heads, length = q.shape[1], k.shape[1], q.shape[2]
+    qb, kw, vw = _to_blocks(q, band, kv_heads), _windows(k, band), _windows(v, band)
+    if keep:
+        lse, out, probs = _band_forward(qb, kw, vw, bias, band, scale)
+    else:
+        per_block = qb[:, :, :1].numel() // qb.shape[-1] * band.width  # logits of one block
+        step = max(1, CHUNK_ELEMENTS // per_block)
+        lse, out = qb.new_empty(*qb.shape[:-1], 1), torch.empty_like(qb)
+        for start in range(0, band.blocks, step):
+            chunk = slice(start, start + step)
+            lse[:, :, chunk], out[:, :, chunk], _ = _band_forward(
+                qb[:, :, chunk], kw[:, :, chunk], vw[:, :, chunk], bias, band, scale, start
+            )
+        probs = None
+    return _from_blocks(lse, band, heads, length)[..., 0], _from_blocks(out, band, heads, length), probs
 
 
 def _slice(x: torch.Tensor, span: tuple[int, int], flipped: bool) -> torch.Tensor:
@@ -214,19 +259,16 @@ def _far_forward(part: FarPart, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 class FusedT5Attention(torch.autograd.Function):
-    """(q [B, H, q, D], k/v [B, Hkv, kv, D], weight [H, buckets], plan) -> output [B, H, q, D]."""
+    """(q [B, H, q, D], k/v [B, Hkv, kv, D], weight [H, buckets], plan, keep) -> output [B, H, q, D]; ``keep``: a
+    backward will follow (the band's probabilities are kept for it)."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, plan: Plan):
-        band, heads, kv_heads, length = plan.band, q.shape[1], k.shape[1], q.shape[2]
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, plan: Plan, keep: bool
+    ):
+        band = plan.band
         bias = weight[:, band.bucket_ids].masked_fill(~band.inside, MASKED)  # [H, Bq, W]
-        scores = _band_logits(_to_blocks(q, band, kv_heads), _windows(k, band), bias, band, plan.scale)
-        # torch.softmax is one fused pass (exp of masked entries by hand takes a slow underflow path on CPU);
-        # the largest probability is exp(top - lse), which gives the log-sum-exp to an ulp
-        top = scores.amax(-1, keepdim=True)
-        probs = torch.softmax(scores, -1)
-        near_lse = _from_blocks(top - probs.amax(-1, keepdim=True).log(), band, heads, length)[..., 0]  # [B, H, q]
-        near_out = _from_blocks(torch.matmul(probs, _windows(v, band)), band, heads, length)
+        near_lse, near_out, probs = _band(q, k, v, bias, band, plan.scale, keep)  # [B, H, q], [B, H, q, D]
         lse = near_lse.clone()
         far = []
         for part in plan.parts:
@@ -240,7 +282,8 @@ class FusedT5Attention(torch.autograd.Function):
             rows = slice(*part.rows)
             out[:, :, rows] += out_p * (lse_p - lse[:, :, rows]).exp()[..., None]
         ctx.plan = plan
-        ctx.save_for_backward(q, k, v, weight, out, lse, near_lse, probs, *[t for pair in far for t in pair])
+        if keep:
+            ctx.save_for_backward(q, k, v, weight, out, lse, near_lse, probs, *[t for pair in far for t in pair])
         return out
 
     @staticmethod
@@ -289,12 +332,13 @@ class FusedT5Attention(torch.autograd.Function):
             batch, _, blocks, _, width = dscores.shape
             per_entry = dscores.view(batch, kv_heads, blocks, heads // kv_heads, band.block, width).sum((0, 2))
             dweight.index_add_(1, band.bucket_ids.flatten(), per_entry.reshape(heads, -1))
-        return dq, dk, dv, dweight, None
+        return dq, dk, dv, dweight, None, None
 
 
 def fused_t5_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, plan: Plan
 ) -> torch.Tensor:
     """Attention output [B, H, q, D] for T5 bias ``weight`` [H, buckets] split as ``plan`` says."""
-    return FusedT5Attention.apply(q, k, v, weight, plan)
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, weight))  # a backward will follow
+    return FusedT5Attention.apply(q, k, v, weight, plan, keep)
 
