@@ -128,7 +128,7 @@ CHUNK_CASES = {
 def test_fused_without_grad_runs_the_band_in_chunks_and_equals_dense(case: str, chunk: int, monkeypatch) -> None:
     """Under no_grad the band runs in chunks of blocks (bounded logits); it must equal the dense path as the
     all-at-once band of training does (chunk 1: every block alone, so edge blocks land in their own chunks)."""
-    monkeypatch.setattr(fused_t5, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(fused_t5, "BAND_CHUNK_ELEMENTS", chunk)
     batch, heads, kv_heads, q_len, kv_len, offset, causal = CHUNK_CASES[case]
     torch.manual_seed(0)
     module = T5RelativeBias(heads, 2, 8, 16, True)

@@ -27,7 +27,7 @@ import torch
 #: queries per band block (the band costs ``(Bq + span - 1) / span`` of its useful work; smaller blocks cost calls)
 BAND_BLOCK = 64
 #: band logits computed at once when no gradient is needed (2**22 float32 = 16 MiB)
-CHUNK_ELEMENTS = 1 << 22
+BAND_CHUNK_ELEMENTS = 1 << 22
 #: logit of a masked band entry: finite, so a fully masked (padding) row stays finite; exp() of it is exactly 0
 MASKED = -1e30
 
@@ -219,7 +219,7 @@ def _band(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The band's (log-sum-exp [B, H, q], output [B, H, q, D], probabilities or None). ``keep``: the backward needs
     the probabilities, computed for every block at once; otherwise blocks run in chunks whose logits hold at most
-    :data:`CHUNK_ELEMENTS` numbers, so inference never holds the whole band's ``[n, G*Bq, W]`` logits (at 8,192
+    :data:`BAND_CHUNK_ELEMENTS` numbers, so inference never holds the whole band's ``[n, G*Bq, W]`` logits (at 8,192
     bidirectional tokens, 8 heads: 76 MiB, twice with the probabilities)."""
     heads, kv_heads, length = q.shape[1], k.shape[1], q.shape[2]
     qb, kw, vw = _to_blocks(q, band, kv_heads), _windows(k, band), _windows(v, band)
@@ -227,7 +227,7 @@ def _band(
         lse, out, probs = _band_forward(qb, kw, vw, bias, band, scale)
     else:
         per_block = qb[:, :, :1].numel() // qb.shape[-1] * band.width  # logits of one block
-        step = max(1, CHUNK_ELEMENTS // per_block)
+        step = max(1, BAND_CHUNK_ELEMENTS // per_block)
         lse, out = qb.new_empty(*qb.shape[:-1], 1), torch.empty_like(qb)
         for start in range(0, band.blocks, step):
             chunk = slice(start, start + step)
