@@ -126,3 +126,31 @@ def test_t5_bias_gradient_equals_plain_indexing() -> None:
     buckets = relative_position_bucket(positions[None, :] - positions[:, None], False, 16, 40)
     (weight.t()[:, buckets].unsqueeze(0) * upstream).sum().backward()
     torch.testing.assert_close(ours, weight.grad)
+
+
+# (first query, queries, first key, keys): a prefill, a chunk after a cache, decoding steps (one near the start,
+# one past the kept row's first 1,024 relative positions, so it grows), a static cache's keys after the query
+_T5_INDEX_CASES = {
+    "prefill": (0, 40, 0, 40),
+    "chunk-after-cache": (30, 7, 0, 37),
+    "decode-step": (5, 1, 0, 6),
+    "decode-past-the-kept-row": (3000, 1, 0, 3001),
+    "static-cache-buffer": (4, 2, 0, 12),
+}
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("case", list(_T5_INDEX_CASES), ids=list(_T5_INDEX_CASES))
+def test_t5_bias_at_index_positions_equals_transformers_buckets(case: str, causal: bool) -> None:
+    """Index positions read their bucket ids from a kept row of every relative position (views and one flip): the
+    bias equals T5's own buckets gathered from the table, whatever the offsets, and after the row grows."""
+    first_query, q_len, first_key, kv_len = _T5_INDEX_CASES[case]
+    module = ps.T5BiasConfig(num_buckets=16, max_distance=40).build(_spec(4))
+    torch.nn.init.normal_(module.tables[0].weight)
+    query_pos = torch.arange(first_query, first_query + q_len)
+    key_pos = torch.arange(first_key, first_key + kv_len)
+    relative = key_pos[None, :] - query_pos[:, None]
+    buckets = T5Attention._relative_position_bucket(relative, not causal, 16, 40)
+    expected = module.tables[0].weight.t()[:, buckets].unsqueeze(0)  # [1, H, q, kv]
+    assert torch.equal(module(query_pos, key_pos, 0, causal), expected)
+    assert torch.equal(module(query_pos, key_pos, 0, causal, {}), expected)  # with a memo, as attention calls it

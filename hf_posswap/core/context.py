@@ -19,6 +19,7 @@ library (accelerate's hooks) had already wrapped ``forward`` at swap time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -116,12 +117,18 @@ class PositionContext:
         return torch.arange(q_len, device=device) + self.query_offset
 
     def query_key_positions(self, q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """query positions [q] and key positions [kv] (or both [B, q] when explicit row positions are set)."""
+        """query positions [q] and key positions [kv] (or both [B, q] when explicit row positions are set); made
+        once per forward (every layer asks for the same ones; callers must not change them in place)."""
         if self.row_positions is not None and self.row_positions.shape[-1] == q_len == kv_len:
             return self.row_positions, self.row_positions
-        query_pos = torch.arange(q_len, device=device) + self.query_offset
-        key_pos = torch.arange(kv_len, device=device) + self.key_start(q_len, kv_len)
-        return query_pos, key_pos
+        memo_key = ("positions", q_len, kv_len, device)
+        found = self.memo.get(memo_key)
+        if found is None:
+            query_pos = torch.arange(self.query_offset, self.query_offset + q_len, device=device)
+            start = self.key_start(q_len, kv_len)
+            found = query_pos, torch.arange(start, start + kv_len, device=device)
+            self.memo[memo_key] = found
+        return found
 
     def key_start(self, q_len: int, kv_len: int) -> int:
         """Position of the first of kv_len keys. Static caches hand attention the whole buffer (kv_len >= offset +
@@ -166,6 +173,12 @@ def _check_position_ids(kwargs: dict[str, Any]) -> None:
         )
 
 
+@functools.cache
+def _parameter_names(forward: Callable[..., Any]) -> tuple[str, ...]:
+    """The parameter names of a model class's ``forward``, without ``self`` (looked up once per class)."""
+    return tuple(inspect.signature(forward).parameters)[1:]
+
+
 def _cache_length(cache: Any) -> int:
     if cache is None or not hasattr(cache, "get_seq_length"):
         return 0
@@ -203,7 +216,7 @@ class PositionHook:
     def __call__(self, base: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
         kwargs = dict(kwargs)
         if args:  # move positional arguments to keywords so they can be read and replaced
-            names = list(inspect.signature(type(base).forward).parameters)[1:]  # without `self`
+            names = _parameter_names(type(base).forward)
             kwargs.update(zip(names, args, strict=False))
         if self.feeds_attention:
             self._check_attention_implementation(base)

@@ -57,7 +57,7 @@ class AlibiBias(BiasPositions):
     def fused_attention(self, call: FusedCall) -> torch.Tensor | None:
         """Attention without the dense bias (``fused_alibi``): the separable form when causal, a strided Toeplitz
         view of the bias when bidirectional; None (dense path) for half precision and layouts it does not handle."""
-        return alibi_attention(call, self.slopes)
+        return alibi_attention(call, self.slopes, self)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.slopes.shape[0]}, trainable={isinstance(self.slopes, nn.Parameter)}"

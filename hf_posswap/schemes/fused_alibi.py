@@ -24,9 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from .base import FusedCall
+from .kept_rows import kept_row, row_copy
 
 #: dtypes the separable causal form runs in (see the module docstring for why not half precision)
 FUSED_DTYPES = (torch.float32, torch.float64)
@@ -48,13 +50,14 @@ DENSE_BIAS_ELEMENTS = 2**26
 BIAS_BLOCK_ELEMENTS = 2**24
 
 
-def alibi_attention(call: FusedCall, slopes: torch.Tensor) -> torch.Tensor | None:
-    """Attention output [B, q, H, D] of ``call`` with ALiBi ``slopes`` [H], or None to leave it to the dense path."""
+def alibi_attention(call: FusedCall, slopes: torch.Tensor, owner: nn.Module | None = None) -> torch.Tensor | None:
+    """Attention output [B, q, H, D] of ``call`` with ALiBi ``slopes`` [H], or None to leave it to the dense path.
+    ``owner`` (the scheme module) keeps a bias row for decoding steps (:mod:`~hf_posswap.schemes.kept_rows`)."""
     heads, kv_heads = call.query.shape[1], call.key.shape[1]
     if call.query.dtype not in FUSED_DTYPES or heads % kv_heads or slopes.shape[0] != heads:
         return None
     if call.causal:
-        return causal_alibi_attention(call, slopes)
+        return causal_alibi_attention(call, slopes, owner)
     return bidirectional_alibi_attention(call, slopes)
 
 
@@ -120,7 +123,9 @@ def _increasing(positions: torch.Tensor) -> bool:
     return bool((positions[:, 1:] > positions[:, :-1]).all())
 
 
-def causal_alibi_attention(call: FusedCall, slopes: torch.Tensor) -> torch.Tensor | None:
+def causal_alibi_attention(
+    call: FusedCall, slopes: torch.Tensor, owner: nn.Module | None = None
+) -> torch.Tensor | None:
     """Causal ALiBi through one fused sdpa call on q, k, v widened by one column (module docstring); a few
     queries after a cache (decoding) get their small ``[q, kv]`` bias instead, which spares copying the cache; a
     long prefill with steep slopes runs in query blocks (:data:`PRECISE_SPAN`)."""
@@ -129,7 +134,7 @@ def causal_alibi_attention(call: FusedCall, slopes: torch.Tensor) -> torch.Tenso
         return None
     q_len = call.query.shape[2]
     if q_len <= SMALL_QUERY and q_len < plan.visible:
-        return _small_query_attention(call, slopes, plan)
+        return _small_query_attention(call, slopes, plan, owner)
     if plan.is_causal and q_len > PRECISE_BLOCK and float(slopes.detach().abs().max()) * q_len > PRECISE_SPAN:
         return _blocked_separable(call, slopes)
     return _separable(call, slopes, slice(None), plan.visible, plan.mask, plan.is_causal)
@@ -170,12 +175,14 @@ def _blocked_separable(call: FusedCall, slopes: torch.Tensor) -> torch.Tensor:
     return torch.cat(outputs, dim=1)
 
 
-def _small_query_attention(call: FusedCall, slopes: torch.Tensor, plan: CausalPlan) -> torch.Tensor:
+def _small_query_attention(
+    call: FusedCall, slopes: torch.Tensor, plan: CausalPlan, owner: nn.Module | None = None
+) -> torch.Tensor:
     """A few queries: the exact bias ``-m (i - j)`` [1 or B, H, q, visible] as sdpa's float mask. Grouped heads
     are folded into the query rows ([B, H, q] -> [B, Hkv, groups * q], a view), so the cache is never expanded."""
     query, key, value = call.query, call.key[:, :, : plan.visible], call.value[:, :, : plan.visible]
     (batch, heads, q_len, head_dim), kv_heads = query.shape, key.shape[1]
-    bias = _small_query_bias(call, slopes, plan)
+    bias = _small_query_bias(call, slopes, plan, owner)
     folded = heads // kv_heads * q_len
     output = sdpa_flushing_denormals(
         query.reshape(batch, kv_heads, folded, head_dim),
@@ -188,13 +195,19 @@ def _small_query_attention(call: FusedCall, slopes: torch.Tensor, plan: CausalPl
     return output.view(batch, heads, q_len, head_dim).transpose(1, 2).contiguous()
 
 
-def _small_query_bias(call: FusedCall, slopes: torch.Tensor, plan: CausalPlan) -> torch.Tensor:
+def _small_query_bias(
+    call: FusedCall, slopes: torch.Tensor, plan: CausalPlan, owner: nn.Module | None = None
+) -> torch.Tensor:
     """-m (i - j) with the plan's mask merged in: [1 or B, H, q, visible]; once per forward when no gradient needs
-    it (every layer shares the slopes)."""
+    it (every layer shares the slopes). A decoding step (one query, index positions, no mask) reads it from a
+    bias row kept on ``owner`` across steps: one copy of a slice, no arithmetic."""
     dtype = call.query.dtype
     key = ("alibi-small-bias", call.query.shape[2], plan.visible, dtype, None if plan.mask is None else id(plan.mask))
     memoise = not (slopes.requires_grad and torch.is_grad_enabled())
     if memoise and key in call.memo:
+        return call.memo[key]
+    if memoise and owner is not None and plan.mask is None and call.query_pos.dim() == 1 and call.query.shape[2] == 1:
+        call.memo[key] = _decode_bias(owner, slopes, int(call.key_pos[0]) - int(call.query_pos[0]), plan.visible, dtype)
         return call.memo[key]
     distance = (call.key_pos[..., None, : plan.visible] - call.query_pos[..., :, None]).to(dtype)  # j - i
     bias = slopes.to(dtype)[:, None, None] * (distance[:, None] if distance.dim() == 3 else distance[None, None])
@@ -205,6 +218,18 @@ def _small_query_bias(call: FusedCall, slopes: torch.Tensor, plan: CausalPlan) -
     if memoise:
         call.memo[key] = bias
     return bias
+
+
+def _decode_bias(owner: nn.Module, slopes: torch.Tensor, first: int, visible: int, dtype: torch.dtype) -> torch.Tensor:
+    """m (j - i) for one query and keys at relative positions first .. first + visible - 1 (all <= 0, the query's
+    past): [1, H, 1, visible], copied from a row over every relative position kept on ``owner`` while the slopes
+    stay the same (the same values as computing it: slope x relative position, in ``dtype``)."""
+
+    def bias_row(relative: torch.Tensor) -> torch.Tensor:  # [2 span + 1] -> [H, 2 span + 1]
+        return slopes.to(dtype)[:, None] * relative.to(dtype)[None]
+
+    row, span = kept_row(owner, ("alibi-decode", dtype), slopes, max(-first, first + visible - 1), bias_row)
+    return row_copy(row, span, first, visible)[None, :, None, :]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from .base import (
     require_int_at_least,
 )
 from .fused_t5 import Plan, fused_t5_attention, plan_attention, saturation_distance
+from .kept_rows import kept_row, row_copy, row_slice
 
 
 def relative_position_bucket(
@@ -88,6 +89,11 @@ class T5RelativeBias(BiasPositions):
     ) -> torch.Tensor:
         # query_pos [q], key_pos [kv] -> [1, H, q, kv]  (or [B, q], [B, kv] -> [B, H, q, kv])
         table = self.tables[0] if len(self.tables) == 1 else self.tables[layer_idx]
+        needs_grad = table.weight.requires_grad and torch.is_grad_enabled()
+        if query_pos.dim() == 1 and query_pos.shape[0] == 1 and not needs_grad:
+            first = int(key_pos[0]) - int(query_pos[0])
+            if first + key_pos.shape[0] - 1 <= 0:  # a decoding step, every key at or before the query
+                return self._decode_bias(table, first, key_pos.shape[0], causal)
         memo_key = (  # index positions are ranges (shape + start say it all); row positions live for the forward
             "t5-buckets",
             causal,
@@ -98,14 +104,51 @@ class T5RelativeBias(BiasPositions):
             id(query_pos) if query_pos.dim() > 1 else None,
         )
         buckets = memo.get(memo_key) if memo is not None else None
-        if buckets is None:
-            relative = key_pos[..., None, :] - query_pos[..., :, None]  # [..., q, kv], memory - context as in T5
+        if buckets is None and query_pos.dim() == 1:  # index positions: a view of the kept bucket row
+            first_query, first_key = memo_key[4], memo_key[5]
+            buckets = self._index_buckets(first_query, query_pos.shape[0], first_key, key_pos.shape[0], causal)
+        elif buckets is None:
+            relative = key_pos[..., None, :] - query_pos[..., :, None]  # [B, q, kv], memory - context as in T5
             buckets = relative_position_bucket(relative, not causal, self.num_buckets, self.max_distance)
-            if memo is not None:
-                memo[memo_key] = buckets
+        if memo is not None:
+            memo[memo_key] = buckets
         weight = table.weight.to(torch.float32).t()  # [num_buckets, H] -> [H, num_buckets]
         bias = _GatherBuckets.apply(weight, buckets)  # [H, ..., q, kv]
         return bias.movedim(0, -3) if bias.dim() == 4 else bias.unsqueeze(0)  # -> [B or 1, H, q, kv]
+
+    def _index_buckets(self, first_query: int, q_len: int, first_key: int, kv_len: int, causal: bool) -> torch.Tensor:
+        """Bucket ids [q, kv] of queries at first_query + r and keys at first_key + j (relative position
+        first_key - first_query + j - r), read from a kept row of the buckets of every relative position: a view
+        for one query (a decoding step), one copy of the ids otherwise; no bucket arithmetic either way."""
+        lowest, highest = first_key - first_query - (q_len - 1), first_key - first_query + kv_len - 1
+        row, span = self._bucket_row(max(-lowest, highest), causal)  # row[span + v]: bucket of relative position v
+        windows = row.unfold(0, kv_len, 1)  # [2 span + 2 - kv, kv]: window w holds relative w - span .. + kv - 1
+        first = span + first_key - first_query  # the window of query 0
+        if q_len == 1:
+            return windows[first : first + 1]
+        return windows[first - q_len + 1 : first + 1].flip(0)  # query r starts one relative position lower
+
+    def _bucket_row(self, reach: int, causal: bool) -> tuple[torch.Tensor, int]:
+        """(row [2 span + 1], span): the bucket ids of relative positions -span .. span, span >= reach."""
+        bucket_of = functools.partial(
+            relative_position_bucket,
+            bidirectional=not causal,
+            num_buckets=self.num_buckets,
+            max_distance=self.max_distance,
+        )
+        return kept_row(self, ("t5-buckets", causal), None, reach, bucket_of, self.tables[0].weight.device)
+
+    def _decode_bias(self, table: nn.Embedding, first: int, kv_len: int, causal: bool) -> torch.Tensor:
+        """The bias [1, H, 1, kv] of one query and keys at relative positions first .. first + kv - 1: copied from
+        a kept row of the table's bias at every relative position (rebuilt when the table changes)."""
+
+        def bias_row(relative: torch.Tensor) -> torch.Tensor:  # relative -span .. span -> [H, 2 span + 1]
+            buckets, span = self._bucket_row(int(relative[-1]), causal)
+            return table.weight.to(torch.float32).t()[:, row_slice(buckets, span, int(relative[0]), relative.shape[0])]
+
+        reach = max(-first, first + kv_len - 1)
+        row, span = kept_row(self, ("t5-bias", causal, id(table)), table.weight, reach, bias_row)
+        return row_copy(row, span, first, kv_len)[None, :, None, :]
 
     def fused_attention(self, call: FusedCall) -> torch.Tensor | None:
         """Exact attention with this bias split into far parts (one constant per head past the saturation distance)
