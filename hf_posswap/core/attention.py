@@ -195,13 +195,15 @@ def fused_bias_attention(
     scheme has none or declines this call (then the dense path runs)."""
     if context is None or context.kind != "bias" or context.positions is None:
         return None
-    if not context.is_self_attention(module):
+    minimum = getattr(context.positions, "fused_min_queries", None)
+    if minimum is None or query.shape[2] < minimum or not context.is_self_attention(module):
         return None
     # mixed precision (autocast) hands q, k and v over in different dtypes and casts inside the fused forms' own
     # matmuls: the dense path, which sdpa runs under autocast as it always did, is the safe one there
     if torch.is_autocast_enabled(query.device.type) or not query.dtype == key.dtype == value.dtype:
         return None
     query_pos, key_pos = context.query_key_positions(query.shape[2], key.shape[2], query.device)
+    starts = (context.query_offset, context.key_start(query.shape[2], key.shape[2])) if query_pos.dim() == 1 else None
     call = FusedCall(
         query=query,
         key=key,
@@ -214,6 +216,7 @@ def fused_bias_attention(
         scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
         dropout=dropout if module.training else 0.0,
         memo=context.memo,
+        starts=starts,
     )
     return context.positions.fused_attention(call)
 

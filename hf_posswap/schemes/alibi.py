@@ -35,6 +35,8 @@ class AlibiBias(BiasPositions):
     """bias[h, i, j] = -m_h * (i - j) for causal attention (keys at or before the query), and the symmetric
     -m_h * |i - j| for bidirectional (encoder) attention."""
 
+    fused_min_queries = 1
+
     def __init__(self, slopes: torch.Tensor, trainable: bool) -> None:
         super().__init__()
         if trainable:

@@ -202,6 +202,10 @@ class BiasPositions(nn.Module):
     next layer; it may be ``None``.
     """
 
+    #: the fewest queries a call needs before :meth:`fused_attention` may take it (None: the scheme has no fused
+    #: form); the sdpa carrier skips building a :class:`FusedCall` for calls below it (decoding steps, for T5)
+    fused_min_queries: ClassVar[int | None] = None
+
     def forward(
         self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool, memo: dict | None = None
     ) -> torch.Tensor:
@@ -238,6 +242,15 @@ class FusedCall:
     scaling: float
     dropout: float
     memo: dict
+    #: (first query position, first key position) of index positions, known to the caller without reading a tensor
+    #: (None: explicit per-row positions, or not given)
+    starts: tuple[int, int] | None = None
+
+    def first_relative(self) -> int:
+        """The first key's position minus the first query's, for index positions [q], [kv] (one sync at most)."""
+        if self.starts is not None:
+            return self.starts[1] - self.starts[0]
+        return int(self.key_pos[0] - self.query_pos[0])
 
 
 class NoPositions(AbsolutePositions):
