@@ -115,3 +115,16 @@ def test_generation_after_a_training_step_uses_the_new_positions(scheme: str) ->
                 full = model(input_ids=ids[:, : step + 1]).logits[:, -1:]
                 torch.testing.assert_close(cached, full, atol=2e-5, rtol=2e-5)
             parameter.mul_(1.7 if round_ == 0 else 1.0)
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "t5"])
+def test_a_model_swapped_under_inference_mode_decodes(scheme: str) -> None:
+    """Position tensors made under ``torch.inference_mode`` have no version counter: their rows are not kept, and
+    cached decoding still equals the forward without cache."""
+    with torch.inference_mode():
+        model = swapped("gpt2", scheme)
+        ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
+        cache = model(input_ids=ids[:, :8], use_cache=True).past_key_values
+        for step in (8, 9):
+            cached = model(input_ids=ids[:, step : step + 1], past_key_values=cache, use_cache=True).logits
+            torch.testing.assert_close(cached, model(input_ids=ids[:, : step + 1]).logits[:, -1:], atol=2e-5, rtol=2e-5)

@@ -6,7 +6,8 @@ handful of small tensor ops, each 25-85 µs on a CPU whose caches the KV cache's
 keeps the row and hands each step a copy of the slice (:func:`row_copy`): one op.
 
 The row is rebuilt when it is too short, or when the tensor it is computed from changes: replaced, or changed in
-place (an optimiser step bumps its version counter). It is made without gradient: callers take it only where no
+place (an optimiser step bumps its version counter); a source made under ``torch.inference_mode`` has no version
+counter, so its row is built each time instead. It is made without gradient: callers take it only where no
 gradient reaches the bias.
 """
 
@@ -43,6 +44,10 @@ def kept_row(
     stays the same tensor with the same values (``source`` None: a row that depends on the positions only).
     """
     device = source.device if device is None else device
+    if source is not None and source.is_inference():  # no version counter to tell a change by: not kept
+        span = max(MIN_SPAN, reach)
+        with torch.no_grad():
+            return build(torch.arange(-span, span + 1, device=device)), span
     rows = owner.__dict__.setdefault("_kept_rows", {})
     stamp = _stamp(source, device)
     kept = rows.get(name)
