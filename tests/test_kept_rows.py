@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, swapped
+from conftest import VOCAB, make_model, swapped
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import hf_posswap as ps
 from hf_posswap.schemes import fused_alibi
-from hf_posswap.schemes.alibi import alibi_slopes
 from hf_posswap.schemes.base import ModelSpec
 from hf_posswap.schemes.kept_rows import MIN_SPAN
 
@@ -46,16 +45,32 @@ def test_t5_decode_step_equals_transformers_buckets(query: int) -> None:
     assert torch.equal(_t5_step(module, query), _t5_expected(module, query, query + 1))
 
 
-@pytest.mark.parametrize("change", ["in-place", "replaced"])
+def _change(module: torch.nn.Module, name: str, how: str) -> None:
+    """Change the parameter ``name`` (dotted) of ``module`` as a user or library might: in place (a plain optimiser
+    step), through ``.data`` or numpy (no version bump), or by replacing it."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    tensor = getattr(owner, attr)
+    if how == "in-place":
+        with torch.no_grad():
+            tensor.mul_(-2.0)
+    elif how == "data":
+        tensor.data.mul_(-2.0)
+    elif how == "numpy":
+        tensor.detach().numpy()[...] *= -2.0
+    else:
+        setattr(owner, attr, torch.nn.Parameter(torch.randn_like(tensor)))
+
+
+CHANGES = ["in-place", "data", "numpy", "replaced"]
+
+
+@pytest.mark.parametrize("change", CHANGES)
 def test_t5_kept_row_follows_the_table(change: str) -> None:
     module = ps.T5BiasConfig(num_buckets=16, max_distance=40).build(_spec())
     torch.nn.init.normal_(module.tables[0].weight)
     _t5_step(module, 50)
-    if change == "in-place":  # what an optimiser step does
-        with torch.no_grad():
-            module.tables[0].weight.mul_(-2.0)
-    else:
-        module.tables[0].weight = torch.nn.Parameter(torch.randn_like(module.tables[0].weight))
+    _change(module, "tables.0.weight", change)
     assert torch.equal(_t5_step(module, 50), _t5_expected(module, 50, 51))
 
 
@@ -86,15 +101,11 @@ def test_alibi_decode_step_equals_the_computed_bias(query: int, dtype: torch.dty
     assert "_kept_rows" in module.__dict__, "the decoding step did not take the kept row"
 
 
-@pytest.mark.parametrize("change", ["in-place", "replaced"])
+@pytest.mark.parametrize("change", CHANGES)
 def test_alibi_kept_row_follows_trainable_slopes(change: str) -> None:
     module = ps.AlibiConfig(trainable_slopes=True).build(_spec())
     _alibi_decode_bias(module.slopes, module, 30, torch.float32)
-    if change == "in-place":
-        with torch.no_grad():
-            module.slopes.mul_(0.5)
-    else:
-        module.slopes = torch.nn.Parameter(alibi_slopes(4) * 3.0)
+    _change(module, "slopes", change)
     kept = _alibi_decode_bias(module.slopes, module, 30, torch.float32)
     assert torch.equal(kept, _alibi_decode_bias(module.slopes, None, 30, torch.float32))
 
@@ -128,3 +139,50 @@ def test_a_model_swapped_under_inference_mode_decodes(scheme: str) -> None:
         for step in (8, 9):
             cached = model(input_ids=ids[:, step : step + 1], past_key_values=cache, use_cache=True).logits
             torch.testing.assert_close(cached, model(input_ids=ids[:, : step + 1]).logits[:, -1:], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "t5"])
+def test_generation_between_fused_adamw_steps_uses_the_new_positions(scheme: str) -> None:
+    """Fused AdamW (``Trainer``'s default optimiser on recent torch) updates parameters without bumping their
+    version counters: generating between training steps (an evaluation callback) must still see the new values."""
+    model = swapped("gpt2", scheme)
+    if scheme == "alibi":
+        model = make_model("gpt2")
+        ps.swap(model, ps.AlibiConfig(trainable_slopes=True))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    for _ in range(3):
+        model.eval()
+        with torch.no_grad():
+            cache = model(input_ids=ids[:, :10], use_cache=True).past_key_values
+            cached = model(input_ids=ids[:, 10:11], past_key_values=cache, use_cache=True).logits
+            torch.testing.assert_close(cached, model(input_ids=ids[:, :11]).logits[:, -1:], atol=2e-5, rtol=2e-5)
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_t5_rows_built_under_inference_mode_serve_a_later_step_with_gradient() -> None:
+    """Rows are normal tensors even when first built under ``inference_mode``: a later one-query step with the
+    table trainable saves its bucket ids for backward."""
+    model = swapped("gpt2", "t5")
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        cache = model(input_ids=ids[:, :8], use_cache=True).past_key_values
+        model(input_ids=ids[:, 8:9], past_key_values=cache, use_cache=True)
+    cache = model(input_ids=ids[:, :8], use_cache=True).past_key_values
+    model(input_ids=ids[:, 8:9], past_key_values=cache, use_cache=True).logits.sum().backward()
+    assert model.base_model.posswap_positions.tables[0].weight.grad is not None
+
+
+def test_t5_direct_call_without_memo_takes_any_positions() -> None:
+    """Direct calls without a memo may pass 1-D positions that are not ranges: no range shortcut is taken."""
+    module = ps.T5BiasConfig(num_buckets=16, max_distance=40).build(_spec())
+    torch.nn.init.normal_(module.tables[0].weight)
+    for query_pos, key_pos in ((torch.tensor([0, 10, 20, 30]), torch.tensor([0, 10, 20, 30])),
+                               (torch.tensor([30]), torch.tensor([0, 7, 29, 30]))):
+        relative = key_pos[None, :] - query_pos[:, None]
+        buckets = T5Attention._relative_position_bucket(relative, False, 16, 40)
+        expected = module.tables[0].weight.t()[:, buckets].unsqueeze(0)
+        assert torch.equal(module(query_pos, key_pos, 0, True), expected)

@@ -207,13 +207,19 @@ def test_the_decode_fast_path_is_taken_and_equals_the_general_path(family: str, 
     torch.testing.assert_close(fast, decode_logits(model, tokens(1, 12), steps), atol=1e-5, rtol=1e-5)
 
 
-def test_step_matrices_follow_a_changed_rotation() -> None:
-    """The step matrices are kept per scheme module between forwards: changing its frequencies in place (a new
-    tensor version) must make new ones, or decoding would keep the old rotation."""
+@pytest.mark.parametrize("how", ["in-place", "data"])
+def test_step_matrices_follow_a_changed_rotation(how: str) -> None:
+    """The step matrices are kept per scheme module between forwards: changing its frequencies (in place, or
+    through ``.data``, which leaves the version counter alone) must make new ones, or decoding would keep the old
+    rotation."""
     model = rope_model("gpt2")
     before = decode_logits(model, tokens(1, 12), 4)
-    with torch.no_grad():
-        model.transformer.posswap_positions.inv_freq.mul_(0.5)
+    inv_freq = model.transformer.posswap_positions.inv_freq
+    if how == "in-place":
+        with torch.no_grad():
+            inv_freq.mul_(0.5)
+    else:  # writes that leave the version counter alone (as fused optimiser steps do)
+        inv_freq.data.mul_(0.5)
     after = decode_logits(model, tokens(1, 12), 4)
     reference = make_model("gpt2")
     ps.swap(reference, "rope")

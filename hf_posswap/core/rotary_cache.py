@@ -313,21 +313,29 @@ def rotation_signature(context: Any, device: torch.device) -> tuple[float, ...]:
     signature = context.memo.get("rope-signature")
     if signature is None:
         scheme = context.positions
-        stamp = (
-            device,
-            getattr(scheme, "attention_scaling", None),
-            tuple((t.data_ptr(), t._version) for t in (*scheme.buffers(), *scheme.parameters())),
-        )
+        stamp = (device, getattr(scheme, "attention_scaling", None))
+        tensors = [t.detach() for t in (*scheme.buffers(), *scheme.parameters())]
         known = _SIGNATURES.get(scheme)
-        if known is None or known[0] != stamp:
+        if known is None or known[0] != stamp or not _same_tensors(known[1], tensors):
             cos, sin = scheme(torch.ones(1, device=device))
-            known = (stamp, tuple(torch.cat((cos, sin), dim=-1).flatten().tolist()))
+            with torch.inference_mode(False):  # kept copies: normal tensors even under inference_mode
+                copies = [t.clone() for t in tensors]
+            known = (stamp, copies, tuple(torch.cat((cos, sin), dim=-1).flatten().tolist()))
             _SIGNATURES[scheme] = known
-        signature = context.memo["rope-signature"] = known[1]
+        signature = context.memo["rope-signature"] = known[2]
     return signature
 
 
-#: scheme module -> (stamp of its device, attention factor and tensors, signature)
+def _same_tensors(kept: list[torch.Tensor], tensors: list[torch.Tensor]) -> bool:
+    """Whether the scheme's tensors still hold the kept values: compared by value (version counters miss writes
+    through ``.data`` or numpy and fused optimiser steps; a new tensor may reuse a freed one's address)."""
+    return len(kept) == len(tensors) and all(
+        a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and torch.equal(a, b)
+        for a, b in zip(kept, tensors, strict=True)
+    )
+
+
+#: scheme module -> ((device, attention factor), copies of its tensors, signature)
 _SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

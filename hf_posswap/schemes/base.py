@@ -199,7 +199,9 @@ class BiasPositions(nn.Module):
     """forward: (query positions [q], key positions [kv], layer index, causal, memo) -> logit bias [1, H, q, kv].
 
     ``memo`` is a per-forward dict where a scheme may keep gradient-free intermediates (bucket ids) for the
-    next layer; it may be ``None``.
+    next layer; it may be ``None``. The library passes one, and with it 1-D positions are always index positions:
+    consecutive ranges (a scheme may read them from their first entry and length); direct calls without a memo
+    may pass any positions.
     """
 
     #: the fewest queries a call needs before :meth:`fused_attention` may take it (None: the scheme has no fused

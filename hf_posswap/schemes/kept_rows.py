@@ -5,10 +5,9 @@ T5 that row is a slice of one row over every relative position, so instead of co
 handful of small tensor ops, each 25-85 µs on a CPU whose caches the KV cache's copy has just flushed) the scheme
 keeps the row and hands each step a copy of the slice (:func:`row_copy`): one op.
 
-The row is rebuilt when it is too short, or when the tensor it is computed from changes: replaced, or changed in
-place (an optimiser step bumps its version counter); a source made under ``torch.inference_mode`` has no version
-counter, so its row is built each time instead. It is made without gradient: callers take it only where no
-gradient reaches the bias.
+The row is rebuilt when it is too short, moves device, or when the values it is computed from (ALiBi's slopes, a T5
+table: [H] or [buckets, H]) differ from a copy kept with it, compared each time they are asked for. It is made
+without gradient: callers take it only where no gradient reaches the bias.
 """
 
 from __future__ import annotations
@@ -20,13 +19,6 @@ from torch import nn
 
 #: relative positions a new row covers at least on each side (it doubles when a longer one is needed)
 MIN_SPAN = 1024
-
-
-def _stamp(source: torch.Tensor | None, device: torch.device) -> tuple:
-    """What identifies ``source``'s current values (the tensor, its storage, its version, its dtype) and the device."""
-    if source is None:
-        return (device,)
-    return id(source), source.data_ptr(), source._version, source.dtype, device
 
 
 def kept_row(
@@ -41,23 +33,29 @@ def kept_row(
 
     ``build(relative)`` makes the row from the relative positions -span .. span ([2 span + 1] int64, on ``device``,
     default ``source``'s); the row is kept on ``owner`` under ``name`` (outside its state dict) while ``source``
-    stays the same tensor with the same values (``source`` None: a row that depends on the positions only).
+    holds the values it was built from (``source`` None: a row that depends on the positions only).
     """
     device = source.device if device is None else device
-    if source is not None and source.is_inference():  # no version counter to tell a change by: not kept
-        span = max(MIN_SPAN, reach)
-        with torch.no_grad():
-            return build(torch.arange(-span, span + 1, device=device)), span
     rows = owner.__dict__.setdefault("_kept_rows", {})
-    stamp = _stamp(source, device)
     kept = rows.get(name)
-    if kept is None or kept[0] != stamp or kept[2] < reach:
-        span = max(MIN_SPAN, reach, 2 * kept[2] if kept is not None and kept[0] == stamp else 0)
-        relative = torch.arange(-span, span + 1, device=device)
-        with torch.no_grad():
-            kept = (stamp, build(relative), span)
+    if kept is None or kept[2] < reach or kept[3] != device or not _same_values(kept[0], source):
+        previous = kept[2] if kept is not None else 0
+        span = max(MIN_SPAN, reach, 2 * previous if previous < reach else previous)  # doubles only to grow
+        # a normal tensor even under inference_mode (an inference tensor could not be saved for a later backward)
+        with torch.inference_mode(False), torch.no_grad():
+            values = None if source is None else source.detach().clone()
+            kept = (values, build(torch.arange(-span, span + 1, device=device)), span, device)
         rows[name] = kept
     return kept[1], kept[2]
+
+
+def _same_values(kept: torch.Tensor | None, source: torch.Tensor | None) -> bool:
+    """Whether ``source`` still holds the values a row was built from. Compared by value, one small op: version
+    counters miss writes through ``.data`` or numpy and fused optimiser steps (fused AdamW, transformers' default
+    optimiser, leaves them alone), and a new tensor may reuse a freed one's id and address."""
+    if source is None or kept is None:
+        return source is None and kept is None
+    return kept.dtype == source.dtype and kept.shape == source.shape and torch.equal(kept, source.detach())
 
 
 def row_slice(row: torch.Tensor, span: int, first: int, count: int) -> torch.Tensor:

@@ -92,7 +92,8 @@ class T5RelativeBias(BiasPositions):
         # query_pos [q], key_pos [kv] -> [1, H, q, kv]  (or [B, q], [B, kv] -> [B, H, q, kv])
         table = self.tables[0] if len(self.tables) == 1 else self.tables[layer_idx]
         needs_grad = table.weight.requires_grad and torch.is_grad_enabled()
-        if query_pos.dim() == 1 and query_pos.shape[0] == 1 and not needs_grad:
+        index_positions = query_pos.dim() == 1 and memo is not None  # the library's: ranges (see BiasPositions)
+        if index_positions and query_pos.shape[0] == 1 and not needs_grad:
             first = int(key_pos[0]) - int(query_pos[0])
             if first + key_pos.shape[0] - 1 <= 0:  # a decoding step, every key at or before the query
                 return self._decode_bias(table, first, key_pos.shape[0], causal)
@@ -106,7 +107,7 @@ class T5RelativeBias(BiasPositions):
             id(query_pos) if query_pos.dim() > 1 else None,
         )
         buckets = memo.get(memo_key) if memo is not None else None
-        if buckets is None and query_pos.dim() == 1:  # index positions: a view of the kept bucket row
+        if buckets is None and index_positions:  # a view of the kept bucket row
             first_query, first_key = memo_key[4], memo_key[5]
             buckets = self._index_buckets(first_query, query_pos.shape[0], first_key, key_pos.shape[0], causal)
         elif buckets is None:
