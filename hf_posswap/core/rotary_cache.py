@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidConfigError
+from ..schemes.kept_rows import same_values
 from ..schemes.rope import apply_rotary
 from .rotation import rotate_pairs, rotate_pairs_
 
@@ -327,12 +328,8 @@ def rotation_signature(context: Any, device: torch.device) -> tuple[float, ...]:
 
 
 def _same_tensors(kept: list[torch.Tensor], tensors: list[torch.Tensor]) -> bool:
-    """Whether the scheme's tensors still hold the kept values: compared by value (version counters miss writes
-    through ``.data`` or numpy and fused optimiser steps; a new tensor may reuse a freed one's address)."""
-    return len(kept) == len(tensors) and all(
-        a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and torch.equal(a, b)
-        for a, b in zip(kept, tensors, strict=True)
-    )
+    """Whether the scheme's tensors still hold the kept values (compared by value, see :func:`same_values`)."""
+    return len(kept) == len(tensors) and all(same_values(a, b) for a, b in zip(kept, tensors, strict=True))
 
 
 #: scheme module -> ((device, attention factor), copies of its tensors, signature)

@@ -38,7 +38,7 @@ def kept_row(
     device = source.device if device is None else device
     rows = owner.__dict__.setdefault("_kept_rows", {})
     kept = rows.get(name)
-    if kept is None or kept[2] < reach or kept[3] != device or not _same_values(kept[0], source):
+    if kept is None or kept[2] < reach or kept[3] != device or not same_values(kept[0], source):
         previous = kept[2] if kept is not None else 0
         span = max(MIN_SPAN, reach, 2 * previous if previous < reach else previous)  # doubles only to grow
         # a normal tensor even under inference_mode (an inference tensor could not be saved for a later backward)
@@ -49,13 +49,14 @@ def kept_row(
     return kept[1], kept[2]
 
 
-def _same_values(kept: torch.Tensor | None, source: torch.Tensor | None) -> bool:
-    """Whether ``source`` still holds the values a row was built from. Compared by value, one small op: version
-    counters miss writes through ``.data`` or numpy and fused optimiser steps (fused AdamW, transformers' default
-    optimiser, leaves them alone), and a new tensor may reuse a freed one's id and address."""
+def same_values(kept: torch.Tensor | None, source: torch.Tensor | None) -> bool:
+    """Whether ``source`` still holds the values ``kept`` copied (something built from it is still valid). Compared
+    by value, one small op: version counters miss writes through ``.data`` or numpy and fused optimiser steps (fused
+    AdamW, transformers' default optimiser, leaves them alone), and a new tensor may reuse a freed one's address."""
     if source is None or kept is None:
         return source is None and kept is None
-    return kept.dtype == source.dtype and kept.shape == source.shape and torch.equal(kept, source.detach())
+    same_layout = kept.dtype == source.dtype and kept.shape == source.shape and kept.device == source.device
+    return same_layout and torch.equal(kept, source.detach())
 
 
 def row_slice(row: torch.Tensor, span: int, first: int, count: int) -> torch.Tensor:
