@@ -137,20 +137,21 @@ def _step_matrix(context: Any, position: int, device: torch.device, dtype: torch
     found = None
     if not (scales_keys(scheme) or trainable):
         block = _STEP_MATRICES.get(scheme)
-        if block is None or block[0] is not signature or block[1:3] != (dtype, dim) or block[3].device != device \
-                or not block[4] <= position < block[4] + block[3].shape[0]:
+        if block is None or block[0] is not signature or block[1:4] != (dtype, dim, device) \
+                or not 0 <= position - block[4] < len(block[5]):
             with torch.no_grad():
                 cos, sin = scheme(torch.arange(position, position + STEP_BLOCK, device=device))  # [n, r] each
-                block = (signature, dtype, dim, _rotation_matrices(cos.to(dtype), sin.to(dtype), dim), position)
+                matrices = _rotation_matrices(cos.to(dtype), sin.to(dtype), dim)  # [n, D, D]
+            block = (signature, dtype, dim, device, position, matrices.unbind(0))
             _STEP_MATRICES[scheme] = block
-        found = block[3][position - block[4]]
+        found = block[5][position - block[4]]  # (a list: no tensor op to pick one)
     context.memo[memo_key] = found
     return found
 
 
 #: positions whose decode-step matrices are made at once (64 x 64 x 64 float32: 1 MiB)
 STEP_BLOCK = 64
-#: scheme module -> (signature, dtype, head dim, matrices [n, D, D], first position)
+#: scheme module -> (signature, dtype, head dim, device, first position, the matrices [D, D] of n positions)
 _STEP_MATRICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -315,16 +316,24 @@ def rotation_signature(context: Any, device: torch.device) -> tuple[float, ...]:
     if signature is None:
         scheme = context.positions
         stamp = (device, getattr(scheme, "attention_scaling", None))
-        tensors = [t.detach() for t in (*scheme.buffers(), *scheme.parameters())]
+        tensors = _scheme_tensors(scheme)
         known = _SIGNATURES.get(scheme)
         if known is None or known[0] != stamp or not _same_tensors(known[1], tensors):
             cos, sin = scheme(torch.ones(1, device=device))
             with torch.inference_mode(False):  # kept copies: normal tensors even under inference_mode
-                copies = [t.clone() for t in tensors]
+                copies = [t.detach().clone() for t in tensors]
             known = (stamp, copies, tuple(torch.cat((cos, sin), dim=-1).flatten().tolist()))
             _SIGNATURES[scheme] = known
         signature = context.memo["rope-signature"] = known[2]
     return signature
+
+
+def _scheme_tensors(scheme: nn.Module) -> list[torch.Tensor]:
+    """The scheme module's buffers and parameters (read from its own dicts when it has no submodules: walking the
+    module tree costs ~50 µs a decoding step on a CPU whose caches the KV cache's copy has just flushed)."""
+    if scheme._modules:
+        return [*scheme.buffers(), *scheme.parameters()]
+    return [t for t in (*scheme._buffers.values(), *scheme._parameters.values()) if t is not None]
 
 
 def _same_tensors(kept: list[torch.Tensor], tensors: list[torch.Tensor]) -> bool:

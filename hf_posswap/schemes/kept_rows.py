@@ -56,7 +56,7 @@ def same_values(kept: torch.Tensor | None, source: torch.Tensor | None) -> bool:
     if source is None or kept is None:
         return source is None and kept is None
     same_layout = kept.dtype == source.dtype and kept.shape == source.shape and kept.device == source.device
-    return same_layout and torch.equal(kept, source.detach())
+    return same_layout and torch.equal(kept, source)  # (equal builds no graph: no detach needed)
 
 
 def row_slice(row: torch.Tensor, span: int, first: int, count: int) -> torch.Tensor:
