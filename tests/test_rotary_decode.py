@@ -229,6 +229,22 @@ def test_step_matrices_follow_a_changed_rotation(how: str) -> None:
     torch.testing.assert_close(after, decode_logits(reference, tokens(1, 12), 4), atol=1e-5, rtol=1e-5)
 
 
+def test_the_rotation_check_sees_tensors_of_submodules() -> None:
+    """The per-step value check reads a scheme module's own buffer and parameter dicts, which hold none of its
+    submodules' tensors: a registered rotary scheme whose frequencies live in a submodule must still be compared
+    (else a change there would go unseen by the kept step matrices)."""
+    scheme = torch.nn.Module()
+    scheme.register_buffer("own", torch.ones(2))
+    scheme.inner = torch.nn.Linear(2, 2, bias=False)
+    scheme.inner.register_buffer("frequencies", torch.arange(3.0))
+    found = rotary_cache._scheme_tensors(scheme)
+    assert any(t is scheme.inner.frequencies for t in found) and any(t is scheme.inner.weight for t in found)
+    leaf = torch.nn.Module()
+    leaf.register_buffer("inv_freq", torch.ones(4))
+    leaf.register_buffer("unset", None)
+    assert rotary_cache._scheme_tensors(leaf) == [leaf.inv_freq]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rotary_dim", [16, 8], ids=["full", "partial"])
 def test_rotation_matrices_equal_the_formula(rotary_dim: int, dtype: torch.dtype) -> None:
