@@ -3,12 +3,14 @@ measurements, not test expectations); the byte tokenizer and the passkey filler 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_posswap.evaluation import BYTE_VOCAB_SIZE, byte_tokenizer, passkey_prompt
 
@@ -107,6 +109,37 @@ def test_bench_tiny_report_merges_seeds_in_order() -> None:
     other["settings"]["length"] = 32
     with pytest.raises(SystemExit, match="differ in settings other than seeds"):
         bench_tiny.merge([part(0, 4.0), other])
+
+
+def test_bench_tiny_merges_results_written_before_a_setting_existed() -> None:
+    """Seeds 0 and 1 were run before ``decay_from`` became a setting (the code decayed from 0.8 of the steps, the
+    default): a later part at the default merges with them, one at another value is refused."""
+    settings = {**dataclasses.asdict(bench_tiny.FULL), "seeds": [0, 1]}
+    del settings["decay_from"]
+    row = {"windows": {"1": 4.0}, "passkey": {"1": 1.0}}
+    old = {"settings": settings, "runs": {"fire": [row, row], "t5": [row, row]}, "seconds": 1.0}
+    later = {"settings": {**dataclasses.asdict(bench_tiny.FULL), "seeds": [2]}, "runs": {"fire": [row]},
+             "seconds": 1.0}
+    merged = bench_tiny.merge([later, old])
+    assert merged["settings"]["seeds"] == [0, 1, 2] and len(merged["runs"]["fire"]) == 3
+    table = bench_tiny.markdown({**merged, "runs": {
+        label: [{**r, "tail": {str(f): 4.0 for f in (2, 4, 8)}, "windows": {str(f): 4.0 for f in (1, 2, 4, 8)},
+                 "passkey": {str(f): 1.0 for f in (1, 2, 4, 8)}} for r in rows]
+        for label, rows in merged["runs"].items()}})
+    assert "| run | seeds | ppl 1x" in table
+    assert "| fire | 3 |" in table and "| t5 | 2 |" in table and "how many of them each run has" in table
+    other = {**later, "settings": {**later["settings"], "decay_from": 0.5}}
+    with pytest.raises(SystemExit, match="differ in settings other than seeds"):
+        bench_tiny.merge([other, old])
+
+
+def test_bench_tiny_workers_share_the_cpu_threads() -> None:
+    """Spawned workers each took every core: two workers of two threads on two cores trained 7-10x slower."""
+    threads = torch.get_num_threads()
+    assert bench_tiny.worker_threads("cpu", 1) == threads
+    assert bench_tiny.worker_threads("cpu", 2) == max(1, threads // 2)
+    assert bench_tiny.worker_threads("cpu", 64) == 1
+    assert bench_tiny.worker_threads("cuda", 16) == 1
 
 
 def test_bench_speed_writes_its_tables_and_readme_section(tmp_path) -> None:
