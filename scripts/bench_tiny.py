@@ -108,6 +108,13 @@ def corpus_split(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:cut], ids[cut:]
 
 
+def corpus_fingerprint() -> str:
+    """sha256 (16 hex digits) of the pydoc topics: they change with the Python version, and so do perplexities."""
+    import hashlib
+
+    return hashlib.sha256(corpus_text("pydoc").encode("utf-8")).hexdigest()[:16]
+
+
 def passkey_example(tokenizer, length: int, rng: random.Random) -> list[int]:
     """The evaluation's passkey prompt at a random depth, followed by its answer, cut to ``length`` tokens."""
     key = f"{rng.randrange(10_000, 100_000)}"
@@ -505,6 +512,7 @@ def merge(parts: list[dict]) -> dict:
     if len(parts) == 1:
         return parts[0]
     parts = [{**part, "settings": _with_defaults(part["settings"])} for part in parts]
+    _require_one_corpus(parts)
     first = {k: v for k, v in parts[0]["settings"].items() if k != "seeds"}
     for part in parts[1:]:
         other = {k: v for k, v in part["settings"].items() if k != "seeds"}
@@ -519,6 +527,25 @@ def merge(parts: list[dict]) -> dict:
     merged["seconds"] = sum(part.get("seconds", 0.0) for part in parts)
     merged["command"] = " and ".join(f"`{parts[i].get('command', '?')}`" for i in order).strip("`")
     return merged
+
+
+def _require_one_corpus(parts: list[dict]) -> None:
+    """Refuse parts measured on different text: the corpus is Python's pydoc topics, which differ between Python
+    versions (a seed run under 3.11 read 4.07 perplexity where the same setting gave 4.68-4.92 under 3.12). Parts
+    written before the fingerprint existed are compared by their Python version."""
+    def corpus(part: dict) -> str:
+        python = part.get("versions", {}).get("python", "?")
+        return part.get("corpus") or "Python " + ".".join(python.split(".")[:2])
+
+    found = {corpus(part) for part in parts}
+    fingerprints = {part["corpus"] for part in parts if part.get("corpus")}
+    pythons = {corpus({"versions": part.get("versions", {})}) for part in parts}
+    if len(fingerprints) > 1 or (len(found) > 1 and len(pythons) > 1):
+        raise SystemExit(
+            f"--report: the results were measured on different corpora ({', '.join(sorted(found))}: pydoc topics "
+            "change with the Python version), so their perplexities are not comparable. Run every seed under the "
+            "same Python, or report them separately."
+        )
 
 
 def _with_defaults(settings: dict) -> dict:
@@ -601,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     results["seconds"] = time.time() - started
     results["command"] = "python scripts/bench_tiny.py " + " ".join(argv if argv is not None else sys.argv[1:])
     device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
+    results["corpus"] = corpus_fingerprint()
     results["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0],
                            "threads": torch.get_num_threads(), "device": device, "jobs": args.jobs}
     print(report(results, out, args.readme))
