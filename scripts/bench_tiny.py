@@ -11,6 +11,7 @@ briefly at the target length and evaluated again.
     python scripts/bench_tiny.py --quick                 # one seed, small budget, 8 runs (about 15 min on 2 cores)
     python scripts/bench_tiny.py                         # full: 3 seeds, L = 256, 10,000 steps, every run
     python scripts/bench_tiny.py --device cuda --jobs 16 # full on one GPU, 16 runs at a time (~8 min per seed, H100)
+    python scripts/bench_tiny.py --schemes sandwich:dim=32 --seeds 2 --probe-every 1000   # a scheme with options
     python scripts/bench_tiny.py --report a.json b.json  # redraw table and plot, merging runs of other seeds
     python scripts/bench_tiny.py --quick --readme README.md   # also refresh the README section and its plot
 """
@@ -35,16 +36,18 @@ from hf_posswap.evaluation import BYTE_VOCAB_SIZE, byte_tokenizer, corpus_text, 
 from hf_posswap.evaluation.passkey import passkey_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_section import replace_section  # noqa: E402
+from bench_tiny_report import merge, report  # noqa: E402
 
 # The evaluation's passkey format with a filler that shares no long substring with "The pass key is": with the
 # default filler ("The sky is blue") a byte-level model must match 6+ bytes to tell the key's "y is " apart.
 FILLER = "Grass grows. Birds fly. Rain falls. Wind blows. Rivers run. Stars shine. Here we go. "
 
 ANSWER_TOKENS = 8  # " 12345." plus the one token greedy decoding reads past it
+PROBE_WINDOWS = 8  # held-out windows of L tokens read by each training probe
 
 #: every run's label; "X+concat" is scheme X with combine="concat"; "nope-interleaved" is the SmolLM3 preset (NoPE on
 #: every 2nd layer of the 2-layer model, RoPE on the others). Runs whose scheme is not registered are left out.
+#: ``--schemes`` also takes a run with scheme options, "X:key=value[,key=value]" (e.g. "sandwich:dim=32").
 RUNS = ("learned", "learned+concat", "sinusoidal", "sinusoidal+concat", "none", "rope", "alibi", "t5", "kerple",
         "sandwich", "fire", "xpos", "proportional", "nope-interleaved")
 #: --quick's default runs: the six of the first table plus the two concatenations (add vs concat); every run in RUNS
@@ -89,6 +92,40 @@ def available_runs() -> tuple[str, ...]:
         return label.split("+")[0] in schemes
 
     return tuple(label for label in RUNS if available(label))
+
+
+def split_run(label: str) -> tuple[str, dict]:
+    """``"fire:shared_across_layers=false,mlp_width=64"`` -> ``("fire", {...})``; a plain run has no options."""
+    from hf_posswap.training.config import parse_options
+
+    run, sep, options = label.partition(":")
+    return run, (parse_options(options.split(",")) if sep else {})
+
+
+def run_label(text: str) -> str:
+    """argparse type of ``--schemes``: a run of :func:`available_runs`, optionally with options its scheme accepts
+    (checked now, with the scheme's own validation, not after hours of other runs)."""
+    from hf_posswap.errors import PosSwapError
+    from hf_posswap.schemes.base import SCHEME_REGISTRY
+
+    try:
+        run, options = split_run(text)
+    except PosSwapError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error} As in sandwich:dim=32.") from error
+    runs = available_runs()
+    if run not in runs:
+        raise argparse.ArgumentTypeError(f"unknown run {run!r}; choose from {', '.join(runs)}")
+    if options:
+        if run in ("rope", "nope-interleaved"):
+            raise argparse.ArgumentTypeError(f"{text!r}: run {run!r} takes no options (it is not a swapped scheme)")
+        from hf_posswap.errors import PosSwapError
+        from hf_posswap.schemes.base import SCHEME_REGISTRY
+
+        try:
+            SCHEME_REGISTRY.get(run.split("+")[0]).from_options(**options)
+        except (PosSwapError, TypeError, ValueError) as error:
+            raise argparse.ArgumentTypeError(f"{text!r}: {error}") from error
+    return text
 
 
 QUICK = Settings()
@@ -166,12 +203,13 @@ def build_model(settings: Settings, label: str, seed: int, device: str = "cpu") 
     )
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config)
-    if label == "nope-interleaved":
+    run, options = split_run(label)
+    if run == "nope-interleaved":
         ps.swap(model, ps.smollm3_nope(model, no_rope_layer_interval=2))
-    elif label.endswith("+concat"):
-        ps.swap(model, label.split("+")[0], combine="concat")
-    elif label != "rope":  # RoPE is LLaMA's own scheme
-        ps.swap(model, label)
+    elif run.endswith("+concat"):
+        ps.swap(model, run.split("+")[0], combine="concat", **options)
+    elif run != "rope":  # RoPE is LLaMA's own scheme
+        ps.swap(model, run, **options)
     return model.to(device)
 
 
@@ -190,12 +228,14 @@ def tile_learned_table(model: torch.nn.Module, length: int) -> None:
 
 
 def train(
-    model: torch.nn.Module, data: Iterator, steps: int, lr: float, desc: str, probe: Callable[[], float] | None = None,
+    model: torch.nn.Module, data: Iterator, steps: int, lr: float, desc: str,
+    probe: Callable[[], list[float]] | None = None,
     probe_every: int = 0, decay_from: float = 0.8,
 ) -> tuple[list[float], list[list[float]]]:
     """AdamW; warm-up over 5 % of the steps, constant, then linear decay to 10 % from ``decay_from`` of the steps
     on (a warmup-stable-decay schedule: retrieval circuits form late, and an early decay delayed them in probes).
-    Returns the loss per step and, every ``probe_every`` steps, [step, probe()] (in-distribution passkey)."""
+    Returns the loss per step and, every ``probe_every`` steps, [step, *probe()] (in-distribution passkey and
+    held-out perplexity)."""
     from tqdm.auto import tqdm
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
@@ -227,7 +267,7 @@ def train(
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
         if probe is not None and probe_every and (step + 1) % probe_every == 0:
             model.eval()
-            curve.append([step + 1, probe()])
+            curve.append([step + 1, *probe()])
             model.train()
     model.eval()
     return losses, curve
@@ -297,10 +337,14 @@ def train_and_measure(settings: Settings, task: Task, device: str, probe_every: 
     data = batches(tokenizer, train_ids, settings.length, settings.batch, settings.synthetic, task.seed,
                    settings.passkey_share)
 
-    def probe() -> float:  # in-distribution passkey, fewer keys than the evaluation (other keys: seed 1)
+    def probe() -> list[float]:
+        """In-distribution passkey (fewer keys than the evaluation; other keys: seed 1) and held-out perplexity at
+        1x on the evaluation's first windows: retrieval and overfitting during training."""
         depths = (0.0, 0.5, 1.0)
-        return statistics.mean(passkey_accuracy(model, tokenizer, settings.length - ANSWER_TOKENS, depth, 4, seed=1,
-                                                filler=FILLER).accuracy for depth in depths)
+        accuracy = statistics.mean(passkey_accuracy(model, tokenizer, settings.length - ANSWER_TOKENS, depth, 4,
+                                                    seed=1, filler=FILLER).accuracy for depth in depths)
+        heldout_ppl = perplexity(model, heldout, settings.length, max_windows=PROBE_WINDOWS).perplexity
+        return [accuracy, heldout_ppl]
 
     losses, curve = train(model, data, settings.steps, settings.lr, f"{task.label} seed {task.seed}", probe,
                           probe_every, settings.decay_from)
@@ -415,179 +459,13 @@ def run(
     return results
 
 
-# --- reporting -------------------------------------------------------------------------------------------------
-
-
-def _cell(values: list[float], fmt: str) -> str:
-    if len(values) == 1:
-        return format(values[0], fmt)
-    return f"{format(statistics.mean(values), fmt)} ± {format(statistics.stdev(values), fmt)}"
-
-
-def markdown(results: dict) -> str:
-    settings = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in results["settings"].items()})
-    factors = settings.factors
-    L = settings.length
-    counts = {label: len(rows) for label, rows in results["runs"].items()}
-    uneven = len(set(counts.values())) > 1  # some runs have more seeds (a later part for a few of them)
-    spread = " (mean ± std; column `seeds`: how many of them each run has)" if uneven else " (mean ± std)"
-    lines = [
-        f"Tiny LLaMA-shaped byte-level decoders ({settings.layers} layers, hidden {settings.hidden}, "
-        f"{settings.heads} heads of dim {settings.hidden // settings.heads}, {settings.kv_heads} kv heads) trained "
-        "from "
-        f"scratch at L = {L} for {settings.steps} steps (batch {settings.batch}, lr {settings.lr}) on pydoc topics + "
-        f"{settings.synthetic:.0%} synthetic sequences ({settings.passkey_share:.0%} of them passkey, the rest "
-        f"copy); seeds {', '.join(map(str, settings.seeds))}"
-        f"{spread if len(settings.seeds) > 1 else ''}. Perplexity on the held-out last 10 % of the topics "
-        f"(≤ {settings.max_windows} windows per length); passkey: {settings.trials} keys x depths "
-        f"{', '.join(f'{d:g}' for d in settings.depths)}. RoPE scalings extend the RoPE model to "
-        f"{settings.extend_factor}L = {settings.extend_factor * L}; fine-tuned = {settings.finetune_steps} steps at "
-        f"{settings.extend_factor}L (batch {settings.finetune_batch}, lr {settings.finetune_lr}). `learned` is grown "
-        "by tiling its table (`extend_context(..., method='copy')`) to reach past L.",
-        "",
-        "| run | " + " | ".join(f"ppl {f}x" for f in factors) + " | "
-        + " | ".join(f"tail ppl {f}x" for f in factors if f > 1) + " | "
-        + " | ".join(f"passkey {f}x" for f in factors) + " |",
-        "|---" * (1 + 2 * len(factors) + len([f for f in factors if f > 1])) + "|",
-    ]
-    if uneven:
-        lines[-2] = lines[-2].replace("| run |", "| run | seeds |")
-        lines[-1] += "---|"
-    for label, rows in results["runs"].items():
-        cells = [str(counts[label])] if uneven else []
-        cells += [_cell([_get(r["windows"], f) for r in rows], ".2f") for f in factors]
-        cells += [_cell([_get(r["tail"], f) for r in rows], ".2f") for f in factors if f > 1]
-        cells += [_cell([100 * _get(r["passkey"], f) for r in rows], ".0f") + " %" for f in factors]
-        flag = " ⚠" if statistics.mean(_get(r["passkey"], 1) for r in rows) < 0.9 else ""
-        lines.append(f"| {label}{flag} | " + " | ".join(cells) + " |")
-    lines += ["", "⚠ = passkey accuracy at 1x below 90 %: the model has not learned retrieval in distribution, so its "
-              "retrieval past L says little."]
-    return "\n".join(lines)
-
-
-def _get(mapping: dict, factor: int):
-    """A per-factor value from results read back from JSON (whose keys are strings)."""
-    return mapping[str(factor)]
-
-
-def plot(results: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    settings = results["settings"]
-    factors = settings["factors"]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    colors = [*plt.cm.tab20.colors, *plt.cm.tab20b.colors]  # 20+ runs: one colour each
-    for axis in (left, right):
-        axis.set_prop_cycle(color=colors)
-    for label, rows in results["runs"].items():
-        if "zero-shot" in label:
-            continue
-        style = "--" if "fine-tuned" in label else "-"
-        lengths = [f * settings["length"] for f in factors]
-        ppl = [statistics.mean(_get(r["windows"], f) for r in rows) for f in factors]
-        keys = [statistics.mean(_get(r["passkey"], f) for r in rows) for f in factors]
-        left.plot(lengths, ppl, style, marker="o", label=label)
-        right.plot(lengths, keys, style, marker="o", label=label)
-    for axis in (left, right):
-        axis.axvline(settings["length"], color="grey", linestyle=":", linewidth=1)
-        axis.set_xscale("log", base=2)
-        axis.grid(True, alpha=0.3)
-        axis.set_xlabel("context length (bytes)")
-    left.set(yscale="log", ylabel="perplexity (non-overlapping windows)", title="Perplexity against length")
-    right.set(ylim=(-0.05, 1.05), ylabel="passkey accuracy", title="Passkey retrieval against length")
-    right.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
-
-
-def merge(parts: list[dict]) -> dict:
-    """Results of the same settings run for different seeds (each (run, seed) is trained from its own seed, so the
-    parts are what one run over all the seeds gives): rows concatenated per run, in seed order."""
-    if len(parts) == 1:
-        return parts[0]
-    parts = [{**part, "settings": _with_defaults(part["settings"])} for part in parts]
-    _require_one_corpus(parts)
-    first = {k: v for k, v in parts[0]["settings"].items() if k != "seeds"}
-    for part in parts[1:]:
-        other = {k: v for k, v in part["settings"].items() if k != "seeds"}
-        if other != first:
-            raise SystemExit(f"--report: the results differ in settings other than seeds: {first} vs {other}")
-    order = sorted(range(len(parts)), key=lambda i: min(parts[i]["settings"]["seeds"]))
-    merged = {**parts[order[0]], "settings": {**parts[0]["settings"], "seeds": []}, "runs": {}}
-    for index in order:
-        merged["settings"]["seeds"] += list(parts[index]["settings"]["seeds"])
-        for label, rows in parts[index]["runs"].items():
-            merged["runs"].setdefault(label, []).extend(rows)
-    merged["seconds"] = sum(part.get("seconds", 0.0) for part in parts)
-    merged["command"] = " and ".join(f"`{parts[i].get('command', '?')}`" for i in order).strip("`")
-    return merged
-
-
-def _require_one_corpus(parts: list[dict]) -> None:
-    """Refuse parts measured on different text: the corpus is Python's pydoc topics, which differ between Python
-    versions (a seed run under 3.11 read 4.07 perplexity where the same setting gave 4.68-4.92 under 3.12). Parts
-    written before the fingerprint existed are compared by their Python version."""
-    def corpus(part: dict) -> str:
-        python = part.get("versions", {}).get("python", "?")
-        return part.get("corpus") or "Python " + ".".join(python.split(".")[:2])
-
-    found = {corpus(part) for part in parts}
-    fingerprints = {part["corpus"] for part in parts if part.get("corpus")}
-    pythons = {corpus({"versions": part.get("versions", {})}) for part in parts}
-    if len(fingerprints) > 1 or (len(found) > 1 and len(pythons) > 1):
-        raise SystemExit(
-            f"--report: the results were measured on different corpora ({', '.join(sorted(found))}: pydoc topics "
-            "change with the Python version), so their perplexities are not comparable. Run every seed under the "
-            "same Python, or report them separately."
-        )
-
-
-def _with_defaults(settings: dict) -> dict:
-    """``settings`` with the settings added since it was written, at their defaults (the values those runs used:
-    e.g. ``decay_from`` was 0.8 in the code before it became a setting)."""
-    defaults = {field.name: field.default for field in dataclasses.fields(Settings)}
-    return {**{k: list(v) if isinstance(v, tuple) else v for k, v in defaults.items() if k not in settings},
-            **settings}
-
-
-def _machine(versions: dict) -> str:
-    device = versions.get("device", "cpu")
-    if device == "cpu":
-        return f"{versions['threads']} CPU threads"
-    return f"one {device}, {versions.get('jobs', 1)} runs at a time"
-
-
-def report(results: dict, out: Path, readme: Path | None) -> str:
-    """Write results.json / results.md / bench_tiny.png under ``out``; refresh the README section if asked."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
-    results = json.loads((out / "results.json").read_text(encoding="utf-8"))  # one form: keys are strings
-    table = markdown(results)
-    (out / "results.md").write_text(table + "\n", encoding="utf-8")
-    plot(results, out / "bench_tiny.png")
-    if readme is not None:
-        plot(results, readme.resolve().parent / "scripts" / "results" / "bench_tiny.png")
-        section = (
-            f"`{results['command']}` ({results['seconds'] / 60:.0f} min on {_machine(results['versions'])}, "
-            f"torch {results['versions']['torch']}):\n\n{table}\n\n"
-            "![perplexity and passkey accuracy against length](scripts/results/bench_tiny.png)"
-        )
-        replace_section(readme, "bench-tiny", section)
-    return table
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one seed and a small budget (under 15 minutes)")
     runs = available_runs()
-    parser.add_argument("--schemes", nargs="+", choices=runs, metavar="RUN",
-                        help=f"runs to train (default: all; with --quick: {', '.join(QUICK_RUNS)}): {', '.join(runs)}")
+    parser.add_argument("--schemes", nargs="+", type=run_label, metavar="RUN",
+                        help=f"runs to train (default: all; with --quick: {', '.join(QUICK_RUNS)}): {', '.join(runs)}; "
+                             "RUN:key=value[,key=value] passes options to its scheme (e.g. sandwich:dim=32)")
     parser.add_argument("--scalings", nargs="*", default=list(SCALINGS), choices=SCALINGS)
     parser.add_argument("--steps", type=int, help="override the training steps")
     parser.add_argument("--finetune-steps", type=int, help="override the fine-tuning steps of the RoPE scalings")
@@ -602,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="torch device to train and measure on (default cpu)")
     parser.add_argument("--jobs", type=int, default=1, help="tasks run at once in separate processes (GPU: several)")
     parser.add_argument("--probe-every", type=int, default=0,
-                        help="measure in-distribution passkey every N training steps (the learning curve)")
+                        help="measure in-distribution passkey and held-out perplexity every N training steps (the "
+                             "learning curves)")
     parser.add_argument("--output-dir", default="outputs/bench_tiny", help="where results.json/.md and the plot go")
     parser.add_argument("--readme", type=Path, help="README to refresh between <!-- bench-tiny:start/end --> markers")
     parser.add_argument("--report", type=Path, nargs="+",
@@ -611,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.output_dir)
     if args.report is not None:
-        print(report(merge([json.loads(path.read_text(encoding="utf-8")) for path in args.report]), out, args.readme))
+        parts = [json.loads(path.read_text(encoding="utf-8")) for path in args.report]
+        print(report(merge(parts, dataclasses.asdict(Settings())), out, args.readme))
         return 0
     settings = dataclasses.replace(QUICK if args.quick else FULL)
     for name in ("steps", "finetune_steps", "length", "trials", "lr", "batch", "synthetic", "passkey_share",

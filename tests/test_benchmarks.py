@@ -19,7 +19,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_speed  # noqa: E402
 import bench_tiny  # noqa: E402
+import bench_tiny_report  # noqa: E402
 from readme_section import replace_section  # noqa: E402
+
+DEFAULTS = dataclasses.asdict(bench_tiny.Settings())  # what --report fills into results older than a setting
 
 
 def test_byte_tokenizer_round_trips_any_text() -> None:
@@ -96,19 +99,47 @@ def test_bench_tiny_runs_cover_the_registered_schemes_and_build_what_they_name()
     assert concat.model.posswap_positions.positions.weight.shape == (64, 32)
 
 
+def test_bench_tiny_runs_take_scheme_options_checked_before_training() -> None:
+    import argparse
+
+    import hf_posswap as ps
+
+    assert bench_tiny.split_run("fire:shared_across_layers=false,mlp_width=8") == (
+        "fire", {"shared_across_layers": False, "mlp_width": 8})
+    assert bench_tiny.split_run("learned+concat") == ("learned+concat", {})
+    assert bench_tiny.run_label("sandwich:dim=32") == "sandwich:dim=32"
+    for bad, says in (("sandwich:dim=33", "even integer"), ("sandwhich", "choose from"), ("rope:x=1", "no options"),
+                      ("fire:width=8", "width"), ("alibi:oops", "KEY=VALUE")):
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            bench_tiny.run_label(bad)
+    settings = bench_tiny.Settings(length=16, hidden=32, heads=2, kv_heads=1)
+    fire = bench_tiny.build_model(settings, "fire:shared_across_layers=false", 0)
+    assert ps.describe(fire).settings["shared_across_layers"] is False
+    sandwich = bench_tiny.build_model(settings, "sandwich:dim=8", 0)
+    assert ps.describe(sandwich).settings["dim"] == 8
+
+
+def test_bench_tiny_probes_record_passkey_and_heldout_perplexity() -> None:
+    settings = bench_tiny.Settings(length=16, hidden=32, heads=2, kv_heads=1, steps=4, factors=(1, 2), trials=1,
+                                   max_windows=1, depths=(0.5,))
+    row = bench_tiny.train_and_measure(settings, bench_tiny.Task("sandwich:dim=8", 0), "cpu", 2, None)
+    assert [entry[0] for entry in row["probe"]] == [2, 4]
+    assert all(0.0 <= accuracy <= 1.0 and 1.0 < ppl < 1e4 for _, accuracy, ppl in row["probe"])
+
+
 def test_bench_tiny_report_merges_seeds_in_order() -> None:
     def part(seed: int, ppl: float) -> dict:
         row = {"windows": {"1": ppl}, "passkey": {"1": 1.0}}
         return {"settings": {"length": 16, "seeds": [seed]}, "runs": {"rope": [row]}, "seconds": 10.0,
                 "command": f"python scripts/bench_tiny.py --seeds {seed}", "versions": {}}
 
-    merged = bench_tiny.merge([part(1, 5.0), part(0, 4.0)])
+    merged = bench_tiny_report.merge([part(1, 5.0), part(0, 4.0)], DEFAULTS)
     assert merged["settings"]["seeds"] == [0, 1] and merged["seconds"] == 20.0
     assert [r["windows"]["1"] for r in merged["runs"]["rope"]] == [4.0, 5.0]
     other = part(2, 6.0)
     other["settings"]["length"] = 32
     with pytest.raises(SystemExit, match="differ in settings other than seeds"):
-        bench_tiny.merge([part(0, 4.0), other])
+        bench_tiny_report.merge([part(0, 4.0), other], DEFAULTS)
 
 
 def test_bench_tiny_merges_results_written_before_a_setting_existed() -> None:
@@ -120,9 +151,9 @@ def test_bench_tiny_merges_results_written_before_a_setting_existed() -> None:
     old = {"settings": settings, "runs": {"fire": [row, row], "t5": [row, row]}, "seconds": 1.0}
     later = {"settings": {**dataclasses.asdict(bench_tiny.FULL), "seeds": [2]}, "runs": {"fire": [row]},
              "seconds": 1.0}
-    merged = bench_tiny.merge([later, old])
+    merged = bench_tiny_report.merge([later, old], DEFAULTS)
     assert merged["settings"]["seeds"] == [0, 1, 2] and len(merged["runs"]["fire"]) == 3
-    table = bench_tiny.markdown({**merged, "runs": {
+    table = bench_tiny_report.markdown({**merged, "runs": {
         label: [{**r, "tail": {str(f): 4.0 for f in (2, 4, 8)}, "windows": {str(f): 4.0 for f in (1, 2, 4, 8)},
                  "passkey": {str(f): 1.0 for f in (1, 2, 4, 8)}} for r in rows]
         for label, rows in merged["runs"].items()}})
@@ -130,7 +161,7 @@ def test_bench_tiny_merges_results_written_before_a_setting_existed() -> None:
     assert "| fire | 3 |" in table and "| t5 | 2 |" in table and "how many of them each run has" in table
     other = {**later, "settings": {**later["settings"], "decay_from": 0.5}}
     with pytest.raises(SystemExit, match="differ in settings other than seeds"):
-        bench_tiny.merge([other, old])
+        bench_tiny_report.merge([other, old], DEFAULTS)
 
 
 def test_bench_tiny_refuses_to_merge_runs_on_different_corpora() -> None:
@@ -143,10 +174,11 @@ def test_bench_tiny_refuses_to_merge_runs_on_different_corpora() -> None:
         return {**found, "corpus": corpus} if corpus else found
 
     with pytest.raises(SystemExit, match="different corpora"):
-        bench_tiny.merge([part(0, "3.12.3"), part(2, "3.11.7", bench_tiny.corpus_fingerprint())])
+        bench_tiny_report.merge([part(0, "3.12.3"), part(2, "3.11.7", bench_tiny.corpus_fingerprint())], DEFAULTS)
     with pytest.raises(SystemExit, match="different corpora"):
-        bench_tiny.merge([part(0, "3.11.7", "aaaa"), part(1, "3.11.7", "bbbb")])
-    assert bench_tiny.merge([part(0, "3.12.3"), part(1, "3.12.1", "aaaa")])["settings"]["seeds"] == [0, 1]
+        bench_tiny_report.merge([part(0, "3.11.7", "aaaa"), part(1, "3.11.7", "bbbb")], DEFAULTS)
+    merged = bench_tiny_report.merge([part(0, "3.12.3"), part(1, "3.12.1", "aaaa")], DEFAULTS)
+    assert merged["settings"]["seeds"] == [0, 1]
     assert len(bench_tiny.corpus_fingerprint()) == 16
 
 
