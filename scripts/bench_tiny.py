@@ -301,6 +301,27 @@ def measure(model: torch.nn.Module, tokenizer, heldout: torch.Tensor, settings: 
     return row
 
 
+def bias_profile(model: torch.nn.Module, length: int) -> dict | None:
+    """What a bias scheme ended up with: the logit bias of the last query of a length-``length`` window against the
+    key ``distance`` tokens back, minus the bias at distance 0, per layer and head (None: no bias scheme). A head
+    whose bias falls by many nats at distance ~L cannot retrieve a passkey from the start of the window.
+    ``{"distances": [...], "layers": [layer][head][distance]}``."""
+    from hf_posswap.schemes.base import BiasPositions
+
+    module = next((m for m in model.modules() if isinstance(m, BiasPositions)), None)
+    if module is None:
+        return None
+    distances = sorted({0, *(2**k for k in range(length.bit_length()) if 2**k < length), length - 1})
+    keys = torch.arange(length, device=next(model.parameters()).device)
+    layers = []
+    with torch.no_grad():
+        for layer in range(model.config.num_hidden_layers):
+            bias = module(keys[-1:], keys, layer, True)[0, :, 0].float()  # [1, H, 1, L] -> [H, L]
+            relative = bias - bias[:, -1:]  # against the diagonal (distance 0)
+            layers.append([[round(float(row[length - 1 - d]), 3) for d in distances] for row in relative])
+    return {"distances": distances, "layers": layers}
+
+
 def extend_rope(model: torch.nn.Module, method: str, settings: Settings) -> torch.nn.Module:
     """The RoPE scaling ``method`` for extend_factor x L."""
     target = settings.extend_factor * settings.length
@@ -353,6 +374,9 @@ def train_and_measure(settings: Settings, task: Task, device: str, probe_every: 
     if task.label.startswith("learned"):  # a learned table has no rows past L: tile it (1x is unchanged)
         tile_learned_table(model, max(settings.factors) * settings.length)
     row = measure(model, tokenizer, heldout, settings)
+    profile = bias_profile(model, settings.length)
+    if profile is not None:
+        row["bias_profile"] = profile
     row["final_loss"] = statistics.mean(losses[-20:])
     row["seconds"] = time.time() - started
     if curve:

@@ -120,11 +120,31 @@ def test_bench_tiny_runs_take_scheme_options_checked_before_training() -> None:
 
 
 def test_bench_tiny_probes_record_passkey_and_heldout_perplexity() -> None:
+    from hf_posswap.schemes.sandwich import sandwich_distance_table
+
     settings = bench_tiny.Settings(length=16, hidden=32, heads=2, kv_heads=1, steps=4, factors=(1, 2), trials=1,
                                    max_windows=1, depths=(0.5,))
     row = bench_tiny.train_and_measure(settings, bench_tiny.Task("sandwich:dim=8", 0), "cpu", 2, None)
     assert [entry[0] for entry in row["probe"]] == [2, 4]
     assert all(0.0 <= accuracy <= 1.0 and 1.0 < ppl < 1e4 for _, accuracy, ppl in row["probe"])
+    table = sandwich_distance_table(16, 8, 10_000.0, 2, torch.device("cpu"))  # [H, distance]
+    expected = table[:, row["bias_profile"]["distances"]]
+    assert torch.allclose(torch.tensor(row["bias_profile"]["layers"][1]), expected, atol=1e-3)
+
+
+def test_bench_tiny_bias_profile_reads_what_the_bias_scheme_adds() -> None:
+    """ALiBi's profile is -slope x distance with Press et al.'s slopes 2^(-8h/H) (formula written here, not read
+    from the library); rotary and absolute schemes have none."""
+    settings = bench_tiny.Settings(length=16, hidden=32, heads=4, kv_heads=2)
+    profile = bench_tiny.bias_profile(bench_tiny.build_model(settings, "alibi", 0), 16)
+    assert profile["distances"] == [0, 1, 2, 4, 8, 15] and len(profile["layers"]) == settings.layers
+    for layer in profile["layers"]:
+        for head, row in enumerate(layer, start=1):
+            assert row == pytest.approx([-(2 ** (-8 * head / 4)) * d for d in profile["distances"]], abs=1e-3)
+    assert bench_tiny.bias_profile(bench_tiny.build_model(settings, "rope", 0), 16) is None
+    assert bench_tiny.bias_profile(bench_tiny.build_model(settings, "learned", 0), 16) is None
+    fire = bench_tiny.bias_profile(bench_tiny.build_model(settings, "fire", 0), 16)
+    assert fire["layers"][0] == [[0.0] * 6] * 4  # FIRE's output layer starts at zero
 
 
 def test_bench_tiny_report_merges_seeds_in_order() -> None:
