@@ -80,6 +80,7 @@ class Settings:
     seeds: tuple[int, ...] = (0,)
     passkey_share: float = 0.5  # of the synthetic sequences, the share that are passkey examples (the rest: copy)
     decay_from: float = 0.8  # the learning rate decays linearly to 10 % over the steps after this share of them
+    until_retrieval: int = 0  # > steps: the stable phase lasts until a probe retrieves, ending by this step (Schedule)
 
 
 def available_runs() -> tuple[str, ...]:
@@ -227,35 +228,65 @@ def tile_learned_table(model: torch.nn.Module, length: int) -> None:
     table.weight = torch.nn.Parameter(grow_table(table.weight.detach(), length, "copy"))
 
 
+RETRIEVAL_TARGET = 0.9  # in-distribution passkey accuracy read as "retrieves" (Protocol A's bar)
+
+
+class Schedule:
+    """Warm-up over 5 % of ``steps``, a stable phase, then a linear decay to 10 % over the last ``1 - decay_from``
+    of them (warmup-stable-decay: retrieval circuits form late, and an early decay delayed them in probes).
+
+    ``max_steps`` > ``steps`` makes the stable phase last until a training probe retrieves (>= 90 %): the decay
+    starts at the first such probe from ``decay_from * steps`` on, or at the latest where it still ends by
+    ``max_steps``; the decay keeps its length. Protocol A asks for "enough steps that in-distribution passkey
+    accuracy is above 90 %", and the step at which retrieval appears varies by scheme and seed (3,000-10,000+)."""
+
+    def __init__(self, steps: int, decay_from: float, max_steps: int = 0) -> None:
+        self.warmup = max(1, steps // 20)
+        self.earliest = int(decay_from * steps)
+        self.decay_length = max(1, steps - self.earliest)
+        self.adaptive = max_steps > steps
+        self.latest = max_steps - self.decay_length if self.adaptive else self.earliest
+        self.decay_start: int | None = None if self.adaptive else self.earliest
+
+    @property
+    def total_steps(self) -> int:
+        return (self.latest if self.decay_start is None else self.decay_start) + self.decay_length
+
+    def factor(self, step: int) -> float:
+        """The learning rate's multiplier at optimizer step ``step`` (0-based)."""
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.decay_start is None or step < self.decay_start:
+            return 1.0
+        return 1.0 - 0.9 * (step - self.decay_start) / self.decay_length
+
+    def observe(self, done: int, accuracy: float | None) -> None:
+        """After ``done`` steps (and a probe's accuracy, if one ran): start the decay if it is time."""
+        if self.decay_start is None and done >= self.earliest and (
+                done >= self.latest or (accuracy is not None and accuracy >= RETRIEVAL_TARGET)):
+            self.decay_start = done
+
+
 def train(
     model: torch.nn.Module, data: Iterator, steps: int, lr: float, desc: str,
     probe: Callable[[], list[float]] | None = None,
-    probe_every: int = 0, decay_from: float = 0.8,
-) -> tuple[list[float], list[list[float]]]:
-    """AdamW; warm-up over 5 % of the steps, constant, then linear decay to 10 % from ``decay_from`` of the steps
-    on (a warmup-stable-decay schedule: retrieval circuits form late, and an early decay delayed them in probes).
-    Returns the loss per step and, every ``probe_every`` steps, [step, *probe()] (in-distribution passkey and
-    held-out perplexity)."""
+    probe_every: int = 0, decay_from: float = 0.8, max_steps: int = 0,
+) -> tuple[list[float], list[list[float]], Schedule]:
+    """AdamW on :class:`Schedule` (``max_steps``: train until retrieval, see there). Returns the loss per step,
+    every ``probe_every`` steps [step, *probe()] (in-distribution passkey and held-out perplexity), and the
+    schedule (its ``total_steps`` and ``decay_start`` say what ran)."""
     from tqdm.auto import tqdm
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-    warmup = max(1, steps // 20)
+    plan = Schedule(steps, decay_from, max_steps)
 
-    decay_from = int(decay_from * steps)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if step < decay_from:
-            return 1.0
-        return 1.0 - 0.9 * (step - decay_from) / max(1, steps - decay_from)
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.factor)
     device = next(model.parameters()).device
     model.train()
     losses, curve = [], []
-    bar = tqdm(range(steps), desc=desc, leave=False, disable=None)
-    for step in bar:
+    bar = tqdm(total=plan.total_steps, desc=desc, leave=False, disable=None)
+    step = 0
+    while step < plan.total_steps:
         input_ids = next(data).to(device)
         loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
@@ -265,12 +296,19 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if probe is not None and probe_every and (step + 1) % probe_every == 0:
+        step += 1
+        accuracy = None
+        if probe is not None and probe_every and step % probe_every == 0:
             model.eval()
-            curve.append([step + 1, *probe()])
+            curve.append([step, *probe()])
+            accuracy = curve[-1][1]
             model.train()
+        plan.observe(step, accuracy)
+        bar.total = plan.total_steps
+        bar.update(1)
+    bar.close()
     model.eval()
-    return losses, curve
+    return losses, curve, plan
 
 
 # --- evaluation -------------------------------------------------------------------------------------------------
@@ -367,8 +405,8 @@ def train_and_measure(settings: Settings, task: Task, device: str, probe_every: 
         heldout_ppl = perplexity(model, heldout, settings.length, max_windows=PROBE_WINDOWS).perplexity
         return [accuracy, heldout_ppl]
 
-    losses, curve = train(model, data, settings.steps, settings.lr, f"{task.label} seed {task.seed}", probe,
-                          probe_every, settings.decay_from)
+    losses, curve, plan = train(model, data, settings.steps, settings.lr, f"{task.label} seed {task.seed}", probe,
+                                probe_every, settings.decay_from, settings.until_retrieval)
     if task.label == "rope" and state_dir is not None:
         torch.save({k: v.cpu() for k, v in model.state_dict().items()}, state_dir / f"rope-seed{task.seed}.pt")
     if task.label.startswith("learned"):  # a learned table has no rows past L: tile it (1x is unchanged)
@@ -378,6 +416,7 @@ def train_and_measure(settings: Settings, task: Task, device: str, probe_every: 
     if profile is not None:
         row["bias_profile"] = profile
     row["final_loss"] = statistics.mean(losses[-20:])
+    row["steps"], row["decay_start"] = plan.total_steps, plan.decay_start
     row["seconds"] = time.time() - started
     if curve:
         row["probe"] = curve
@@ -501,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--synthetic", type=float, help="override the share of synthetic (passkey/copy) sequences")
     parser.add_argument("--passkey-share", type=float, help="override the passkey share of the synthetic sequences")
     parser.add_argument("--decay-from", type=float, help="override where the learning rate starts to decay (share)")
+    parser.add_argument("--until-retrieval", type=int, metavar="MAX_STEPS",
+                        help="keep the learning rate up until a probe retrieves (>= 90 %%; needs --probe-every), then "
+                             "decay as usual; stop by MAX_STEPS (> --steps) if it never does")
     parser.add_argument("--device", default="cpu", help="torch device to train and measure on (default cpu)")
     parser.add_argument("--jobs", type=int, default=1, help="tasks run at once in separate processes (GPU: several)")
     parser.add_argument("--probe-every", type=int, default=0,
@@ -519,9 +561,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     settings = dataclasses.replace(QUICK if args.quick else FULL)
     for name in ("steps", "finetune_steps", "length", "trials", "lr", "batch", "synthetic", "passkey_share",
-                 "decay_from"):
+                 "decay_from", "until_retrieval"):
         if getattr(args, name) is not None:
             setattr(settings, name, getattr(args, name))
+    if settings.until_retrieval and (settings.until_retrieval <= settings.steps or args.probe_every <= 0):
+        parser.error(f"--until-retrieval {settings.until_retrieval}: needs a larger maximum than --steps "
+                     f"({settings.steps}) and --probe-every N (the probes decide when retrieval appeared); e.g. "
+                     f"--until-retrieval {2 * settings.steps} --probe-every 1000")
     if args.seeds:
         settings.seeds = tuple(args.seeds)
     started = time.time()

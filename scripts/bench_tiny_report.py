@@ -26,11 +26,16 @@ def markdown(results: dict) -> str:
     counts = {label: len(rows) for label, rows in results["runs"].items()}
     uneven = len(set(counts.values())) > 1  # some runs have more seeds (a later part for a few of them)
     spread = " (mean ± std; column `seeds`: how many of them each run has)" if uneven else " (mean ± std)"
+    steps_of = {label: [row.get("steps", settings.steps) for row in rows] for label, rows in results["runs"].items()}
+    varied = any(steps != settings.steps for values in steps_of.values() for steps in values)
+    until = getattr(settings, "until_retrieval", 0)
+    budget = (f"{settings.steps} steps, or more until a training probe retrieved (≥ 90 % in distribution; at most "
+              f"{until}, column `steps`)" if until else f"{settings.steps} steps")
     lines = [
         f"Tiny LLaMA-shaped byte-level decoders ({settings.layers} layers, hidden {settings.hidden}, "
         f"{settings.heads} heads of dim {settings.hidden // settings.heads}, {settings.kv_heads} kv heads) trained "
         "from "
-        f"scratch at L = {L} for {settings.steps} steps (batch {settings.batch}, lr {settings.lr}) on pydoc topics + "
+        f"scratch at L = {L} for {budget} (batch {settings.batch}, lr {settings.lr}) on pydoc topics + "
         f"{settings.synthetic:.0%} synthetic sequences ({settings.passkey_share:.0%} of them passkey, the rest "
         f"copy); seeds {', '.join(map(str, settings.seeds))}"
         f"{spread if len(settings.seeds) > 1 else ''}. Perplexity on the held-out last 10 % of the topics "
@@ -45,11 +50,12 @@ def markdown(results: dict) -> str:
         + " | ".join(f"passkey {f}x" for f in factors) + " |",
         "|---" * (1 + 2 * len(factors) + len([f for f in factors if f > 1])) + "|",
     ]
-    if uneven:
-        lines[-2] = lines[-2].replace("| run |", "| run | seeds |")
-        lines[-1] += "---|"
+    extra = [name for name, shown in (("seeds", uneven), ("steps", varied or until)) if shown]
+    lines[-2] = lines[-2].replace("| run |", "| run |" + "".join(f" {name} |" for name in extra))
+    lines[-1] += "---|" * len(extra)
     for label, rows in results["runs"].items():
         cells = [str(counts[label])] if uneven else []
+        cells += [_cell(steps_of[label], ".0f")] if "steps" in extra else []
         cells += [_cell([_get(r["windows"], f) for r in rows], ".2f") for f in factors]
         cells += [_cell([_get(r["tail"], f) for r in rows], ".2f") for f in factors if f > 1]
         cells += [_cell([100 * _get(r["passkey"], f) for r in rows], ".0f") + " %" for f in factors]

@@ -147,6 +147,51 @@ def test_bench_tiny_bias_profile_reads_what_the_bias_scheme_adds() -> None:
     assert fire["layers"][0] == [[0.0] * 6] * 4  # FIRE's output layer starts at zero
 
 
+def test_bench_tiny_schedule_fixed_and_until_retrieval() -> None:
+    fixed = bench_tiny.Schedule(100, 0.8)  # warm-up 5 steps, stable to 80, linear decay to 10 % at 100
+    expected = [(s + 1) / 5 if s < 5 else 1.0 if s < 80 else 1.0 - 0.9 * (s - 80) / 20 for s in range(100)]
+    assert [fixed.factor(s) for s in range(100)] == pytest.approx(expected) and fixed.total_steps == 100
+    fixed.observe(90, 1.0)  # a fixed schedule ignores the probes
+    assert fixed.decay_start == 80
+    late = bench_tiny.Schedule(100, 0.8, max_steps=300)
+    assert late.decay_start is None and late.total_steps == 300 and late.factor(150) == 1.0
+    late.observe(40, 1.0)  # retrieval before the nominal decay: the stable phase still lasts to 80
+    late.observe(80, 0.5)
+    assert late.decay_start is None
+    late.observe(120, 0.9)
+    assert late.decay_start == 120 and late.total_steps == 140 and late.factor(130) == pytest.approx(0.55)
+    never = bench_tiny.Schedule(100, 0.8, max_steps=300)
+    never.observe(279, 0.0)
+    never.observe(280, None)  # no retrieval: the decay starts where it still ends by max_steps
+    assert never.decay_start == 280 and never.total_steps == 300
+
+
+@pytest.mark.parametrize("accuracy, steps", [(1.0, 10), (0.0, 40)], ids=["retrieves", "never-retrieves"])
+def test_bench_tiny_trains_until_retrieval(accuracy: float, steps: int) -> None:
+    settings = bench_tiny.Settings(length=16, hidden=32, heads=2, kv_heads=1)
+    model = bench_tiny.build_model(settings, "alibi", 0)
+    data = bench_tiny.batches(bench_tiny.byte_tokenizer(), torch.randint(0, 200, (400,)), 16, 2, 0.0, 0)
+    losses, curve, plan = bench_tiny.train(model, data, 10, 1e-3, "t", lambda: [accuracy, 9.0], 2, 0.8, 40)
+    assert len(losses) == plan.total_steps == steps and curve[0] == [2, accuracy, 9.0]
+    assert plan.decay_start == steps - 2
+
+
+def test_bench_tiny_until_retrieval_needs_probes_and_a_larger_maximum(capsys) -> None:
+    for argv in (["--until-retrieval", "20000"], ["--until-retrieval", "5000", "--probe-every", "1000"]):
+        with pytest.raises(SystemExit) as stopped:
+            bench_tiny.main(argv)
+        assert stopped.value.code == 2 and "--until-retrieval" in capsys.readouterr().err
+
+
+def test_bench_tiny_table_shows_the_steps_each_run_took() -> None:
+    settings = {**DEFAULTS, "until_retrieval": 300, "steps": 100}
+    row = {"windows": {"1": 4.0}, "tail": {}, "passkey": {"1": 1.0}}
+    table = bench_tiny_report.markdown({"settings": {**settings, "factors": [1], "seeds": [0, 1]}, "runs": {
+        "alibi": [{**row, "steps": 120}, {**row, "steps": 140}], "fire": [{**row, "steps": 300}] * 2}})
+    assert "at most 300, column `steps`" in table and "| run | steps | ppl 1x |" in table
+    assert "| alibi | 130 ± 14 | 4.00 ± 0.00 |" in table and "| fire | 300 ± 0 |" in table
+
+
 def test_bench_tiny_report_merges_seeds_in_order() -> None:
     def part(seed: int, ppl: float) -> dict:
         row = {"windows": {"1": ppl}, "passkey": {"1": 1.0}}
