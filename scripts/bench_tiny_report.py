@@ -108,9 +108,10 @@ def plot(results: dict, path: Path) -> Path:
 
 
 def merge(parts: list[dict], defaults: dict) -> dict:
-    """Results of the same settings run for different seeds (each (run, seed) is trained from its own seed, so the
-    parts are what one run over all the seeds gives): rows concatenated per run, in seed order. ``defaults``: every
-    setting at its default, for results written before a setting existed."""
+    """Results of the same settings run for different seeds or runs (each (run, seed) is trained from its own seed,
+    so the parts are what one run over all of them gives): rows concatenated per run, in seed order; a (run, seed)
+    found in two parts is refused. ``defaults``: every setting at its default, for results written before a
+    setting existed."""
     parts = [{**part, "settings": _with_defaults(part["settings"], defaults)} for part in parts]
     if len(parts) == 1:
         return parts[0]
@@ -122,10 +123,18 @@ def merge(parts: list[dict], defaults: dict) -> dict:
             raise SystemExit(f"--report: the results differ in settings other than seeds: {first} vs {other}")
     order = sorted(range(len(parts)), key=lambda i: min(parts[i]["settings"]["seeds"]))
     merged = {**parts[order[0]], "settings": {**parts[0]["settings"], "seeds": []}, "runs": {}}
+    seen: dict[str, set] = {}
     for index in order:
-        merged["settings"]["seeds"] += list(parts[index]["settings"]["seeds"])
+        seeds = set(parts[index]["settings"]["seeds"])
+        merged["settings"]["seeds"] += sorted(seeds - set(merged["settings"]["seeds"]))
         for label, rows in parts[index]["runs"].items():
+            twice = seen.setdefault(label, set()) & seeds
+            if twice:
+                raise SystemExit(f"--report: run {label!r} seed {min(twice)} is in two of the results; pass each "
+                                 "(run, seed) once")
+            seen[label] |= seeds
             merged["runs"].setdefault(label, []).extend(rows)
+    merged["settings"]["seeds"].sort()
     merged["seconds"] = sum(part.get("seconds", 0.0) for part in parts)
     merged["command"] = " and ".join(f"`{parts[i].get('command', '?')}`" for i in order).strip("`")
     return merged

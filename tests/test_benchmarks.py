@@ -207,6 +207,19 @@ def test_bench_tiny_report_merges_seeds_in_order() -> None:
         bench_tiny_report.merge([part(0, 4.0), other], DEFAULTS)
 
 
+def test_bench_tiny_report_merges_other_runs_of_one_seed_and_refuses_repeats() -> None:
+    def part(label: str, ppl: float) -> dict:
+        row = {"windows": {"1": ppl}, "tail": {}, "passkey": {"1": 1.0}}
+        return {"settings": {**DEFAULTS, "seeds": [2], "factors": [1]}, "runs": {label: [row]}, "seconds": 1.0,
+                "command": label}
+
+    merged = bench_tiny_report.merge([part("fire", 4.0), part("sandwich", 5.0)], DEFAULTS)
+    assert merged["settings"]["seeds"] == [2] and list(merged["runs"]) == ["fire", "sandwich"]
+    assert "seeds 2." in bench_tiny_report.markdown(merged)
+    with pytest.raises(SystemExit, match="'fire' seed 2 is in two"):
+        bench_tiny_report.merge([part("fire", 4.0), part("fire", 4.1)], DEFAULTS)
+
+
 def test_bench_tiny_merges_results_written_before_a_setting_existed() -> None:
     """Seeds 0 and 1 were run before ``decay_from`` became a setting (the code decayed from 0.8 of the steps, the
     default): a later part at the default merges with them, one at another value is refused."""
