@@ -12,6 +12,7 @@ briefly at the target length and evaluated again.
     python scripts/bench_tiny.py                         # full: 3 seeds, L = 256, 10,000 steps, every run
     python scripts/bench_tiny.py --device cuda --jobs 16 # full on one GPU, 16 runs at a time (~8 min per seed, H100)
     python scripts/bench_tiny.py --schemes sandwich:dim=32 --seeds 2 --probe-every 1000   # a scheme with options
+    python scripts/bench_tiny.py --until-retrieval 20000 --probe-every 1000   # train each run until it retrieves
     python scripts/bench_tiny.py --report a.json b.json  # redraw table and plot, merging runs of other seeds
     python scripts/bench_tiny.py --quick --readme README.md   # also refresh the README section and its plot
 """
@@ -522,6 +523,29 @@ def run(
     return results
 
 
+def settings_problem(settings: Settings, args: argparse.Namespace) -> str | None:
+    """What is wrong with the command's numbers, said before hours of training (None: nothing)."""
+    counts = {"steps": settings.steps, "finetune-steps": settings.finetune_steps, "length": settings.length,
+              "trials": settings.trials, "batch": settings.batch, "jobs": args.jobs}
+    for name, value in counts.items():
+        if value < 1:
+            return f"--{name} {value}: must be at least 1"
+    if not 0 < settings.lr < float("inf"):
+        return f"--lr {settings.lr}: must be a positive number"
+    for name, value in (("synthetic", settings.synthetic), ("passkey-share", settings.passkey_share)):
+        if not 0 <= value <= 1:
+            return f"--{name} {value}: must be a share in [0, 1]"
+    if not 0 <= settings.decay_from < 1:
+        return f"--decay-from {settings.decay_from}: must be in [0, 1) (the decay needs steps after it)"
+    if args.probe_every < 0:
+        return f"--probe-every {args.probe_every}: must be 0 (no probes) or a positive number of steps"
+    if len(set(settings.seeds)) != len(settings.seeds):
+        return f"--seeds {' '.join(map(str, settings.seeds))}: a seed is given twice"
+    if args.schemes and len(set(args.schemes)) != len(args.schemes):
+        return f"--schemes {' '.join(args.schemes)}: a run is given twice (its rows would count twice)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one seed and a small budget (under 15 minutes)")
@@ -564,12 +588,15 @@ def main(argv: list[str] | None = None) -> int:
                  "decay_from", "until_retrieval"):
         if getattr(args, name) is not None:
             setattr(settings, name, getattr(args, name))
+    if args.seeds:
+        settings.seeds = tuple(args.seeds)
+    problem = settings_problem(settings, args)
+    if problem:
+        parser.error(problem)
     if settings.until_retrieval and (settings.until_retrieval <= settings.steps or args.probe_every <= 0):
         parser.error(f"--until-retrieval {settings.until_retrieval}: needs a larger maximum than --steps "
                      f"({settings.steps}) and --probe-every N (the probes decide when retrieval appeared); e.g. "
                      f"--until-retrieval {2 * settings.steps} --probe-every 1000")
-    if args.seeds:
-        settings.seeds = tuple(args.seeds)
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
     schemes = tuple(args.schemes or [r for r in runs if r in QUICK_RUNS or not args.quick])

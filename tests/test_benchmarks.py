@@ -183,6 +183,23 @@ def test_bench_tiny_until_retrieval_needs_probes_and_a_larger_maximum(capsys) ->
         assert stopped.value.code == 2 and "--until-retrieval" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "0"], "--steps 0: must be at least 1"),
+    (["--jobs", "0"], "--jobs 0"),
+    (["--lr", "-1"], "--lr -1.0"),
+    (["--synthetic", "1.5"], "--synthetic 1.5"),
+    (["--decay-from", "1.5"], "--decay-from 1.5"),
+    (["--probe-every", "-5"], "--probe-every -5"),
+    (["--seeds", "2", "2"], "a seed is given twice"),
+    (["--schemes", "alibi", "alibi"], "a run is given twice"),
+], ids=["steps", "jobs", "lr", "synthetic", "decay-from", "probe-every", "seeds", "schemes"])
+def test_bench_tiny_refuses_bad_numbers_before_training(argv: list[str], says: str, capsys) -> None:
+    tiny = ["--quick", "--steps", "1", "--length", "8", "--trials", "1", "--scalings", "--schemes", "alibi"]
+    with pytest.raises(SystemExit) as stopped:  # a check that misses would train a tiny model, not hang the tests
+        bench_tiny.main([*tiny, *argv, "--output-dir", "/nonexistent/never-written"])
+    assert stopped.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_bench_tiny_table_shows_the_steps_each_run_took() -> None:
     settings = {**DEFAULTS, "until_retrieval": 300, "steps": 100}
     row = {"windows": {"1": 4.0}, "tail": {}, "passkey": {"1": 1.0}}
