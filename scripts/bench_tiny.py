@@ -120,9 +120,6 @@ def run_label(text: str) -> str:
     if options:
         if run in ("rope", "nope-interleaved"):
             raise argparse.ArgumentTypeError(f"{text!r}: run {run!r} takes no options (it is not a swapped scheme)")
-        from hf_posswap.errors import PosSwapError
-        from hf_posswap.schemes.base import SCHEME_REGISTRY
-
         try:
             SCHEME_REGISTRY.get(run.split("+")[0]).from_options(**options)
         except (PosSwapError, TypeError, ValueError) as error:
