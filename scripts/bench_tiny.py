@@ -271,7 +271,7 @@ def train(
     probe_every: int = 0, decay_from: float = 0.8, max_steps: int = 0,
 ) -> tuple[list[float], list[list[float]], Schedule]:
     """AdamW on :class:`Schedule` (``max_steps``: train until retrieval, see there). Returns the loss per step,
-    every ``probe_every`` steps [step, *probe()] (in-distribution passkey and held-out perplexity), and the
+    every ``probe_every`` steps [step, *probe()] (in-distribution passkey, held-out and training perplexity), and the
     schedule (its ``total_steps`` and ``decay_start`` say what ran)."""
     from tqdm.auto import tqdm
 
@@ -395,13 +395,15 @@ def train_and_measure(settings: Settings, task: Task, device: str, probe_every: 
                    settings.passkey_share)
 
     def probe() -> list[float]:
-        """In-distribution passkey (fewer keys than the evaluation; other keys: seed 1) and held-out perplexity at
-        1x on the evaluation's first windows: retrieval and overfitting during training."""
+        """In-distribution passkey (fewer keys than the evaluation; other keys: seed 1), held-out perplexity at 1x
+        on the evaluation's first windows, and the same on the training text's first windows (seen many times):
+        retrieval, and overfitting (the gap between the two perplexities) during training."""
         depths = (0.0, 0.5, 1.0)
         accuracy = statistics.mean(passkey_accuracy(model, tokenizer, settings.length - ANSWER_TOKENS, depth, 4,
                                                     seed=1, filler=FILLER).accuracy for depth in depths)
         heldout_ppl = perplexity(model, heldout, settings.length, max_windows=PROBE_WINDOWS).perplexity
-        return [accuracy, heldout_ppl]
+        train_ppl = perplexity(model, train_ids, settings.length, max_windows=PROBE_WINDOWS).perplexity
+        return [accuracy, heldout_ppl, train_ppl]
 
     losses, curve, plan = train(model, data, settings.steps, settings.lr, f"{task.label} seed {task.seed}", probe,
                                 probe_every, settings.decay_from, settings.until_retrieval)
@@ -540,6 +542,10 @@ def settings_problem(settings: Settings, args: argparse.Namespace) -> str | None
         return f"--seeds {' '.join(map(str, settings.seeds))}: a seed is given twice"
     if args.schemes and len(set(args.schemes)) != len(args.schemes):
         return f"--schemes {' '.join(args.schemes)}: a run is given twice (its rows would count twice)"
+    if settings.until_retrieval and (settings.until_retrieval <= settings.steps or args.probe_every <= 0):
+        return (f"--until-retrieval {settings.until_retrieval}: needs a larger maximum than --steps ({settings.steps}) "
+                f"and --probe-every N (the probes decide when retrieval appeared); e.g. --until-retrieval "
+                f"{2 * settings.steps} --probe-every 1000")
     return None
 
 
@@ -590,10 +596,6 @@ def main(argv: list[str] | None = None) -> int:
     problem = settings_problem(settings, args)
     if problem:
         parser.error(problem)
-    if settings.until_retrieval and (settings.until_retrieval <= settings.steps or args.probe_every <= 0):
-        parser.error(f"--until-retrieval {settings.until_retrieval}: needs a larger maximum than --steps "
-                     f"({settings.steps}) and --probe-every N (the probes decide when retrieval appeared); e.g. "
-                     f"--until-retrieval {2 * settings.steps} --probe-every 1000")
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
     schemes = tuple(args.schemes or [r for r in runs if r in QUICK_RUNS or not args.quick])
