@@ -109,9 +109,9 @@ def plot(results: dict, path: Path) -> Path:
 
 def merge(parts: list[dict], defaults: dict) -> dict:
     """Results of the same settings run for different seeds or runs (each (run, seed) is trained from its own seed,
-    so the parts are what one run over all of them gives): rows concatenated per run, in seed order; a (run, seed)
-    found in two parts is refused. ``defaults``: every setting at its default, for results written before a
-    setting existed."""
+    so the parts are what one run over all of them gives): rows concatenated per run, in seed order, runs in the
+    order the parts first name them; a (run, seed) found in two parts is refused. ``defaults``: every setting at its
+    default, for results written before a setting existed."""
     parts = [{**part, "settings": _with_defaults(part["settings"], defaults)} for part in parts]
     if len(parts) == 1:
         return parts[0]
@@ -135,6 +135,8 @@ def merge(parts: list[dict], defaults: dict) -> dict:
             seen[label] |= seeds
             merged["runs"].setdefault(label, []).extend(rows)
     merged["settings"]["seeds"].sort()
+    labels = list(dict.fromkeys(label for part in parts for label in part["runs"]))  # the order they were given in
+    merged["runs"] = {label: merged["runs"][label] for label in labels}
     merged["seconds"] = sum(part.get("seconds", 0.0) for part in parts)
     merged["command"] = " and ".join(f"`{parts[i].get('command', '?')}`" for i in order).strip("`")
     return merged

@@ -235,6 +235,9 @@ def test_bench_tiny_report_merges_other_runs_of_one_seed_and_refuses_repeats() -
     merged = bench_tiny_report.merge([part("fire", 4.0), part("sandwich", 5.0)], DEFAULTS)
     assert merged["settings"]["seeds"] == [2] and list(merged["runs"]) == ["fire", "sandwich"]
     assert "seeds 2." in bench_tiny_report.markdown(merged)
+    later = {**part("alibi", 4.5), "settings": {**DEFAULTS, "seeds": [1], "factors": [1]}}
+    merged = bench_tiny_report.merge([part("fire", 4.0), later, part("sandwich", 5.0)], DEFAULTS)
+    assert list(merged["runs"]) == ["fire", "alibi", "sandwich"]  # as given, though seed 1 sorts first
     with pytest.raises(SystemExit, match="'fire' seed 2 is in two"):
         bench_tiny_report.merge([part("fire", 4.0), part("fire", 4.1)], DEFAULTS)
 
