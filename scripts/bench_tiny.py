@@ -45,6 +45,7 @@ FILLER = "Grass grows. Birds fly. Rain falls. Wind blows. Rivers run. Stars shin
 
 ANSWER_TOKENS = 8  # " 12345." plus the one token greedy decoding reads past it
 PROBE_WINDOWS = 8  # held-out windows of L tokens read by each training probe
+PROBE_READS = ("passkey", "held-out ppl", "training ppl")  # what each probe returns, in order
 
 #: every run's label; "X+concat" is scheme X with combine="concat"; "nope-interleaved" is the SmolLM3 preset (NoPE on
 #: every 2nd layer of the 2-layer model, RoPE on the others). Runs whose scheme is not registered are left out.
@@ -300,6 +301,9 @@ def train(
             model.eval()
             curve.append([step, *probe()])
             accuracy = curve[-1][1]
+            bar.write(f"  {desc} step {step}: " + ", ".join(  # the probes in a log, where no bar is drawn
+                f"{name} {value:.0%}" if name == "passkey" else f"{name} {value:.2f}"
+                for name, value in zip(PROBE_READS, curve[-1][1:], strict=False)))
             model.train()
         plan.observe(step, accuracy)
         bar.total = plan.total_steps

@@ -119,7 +119,7 @@ def test_bench_tiny_runs_take_scheme_options_checked_before_training() -> None:
     assert ps.describe(sandwich).settings["dim"] == 8
 
 
-def test_bench_tiny_probes_record_passkey_heldout_and_training_perplexity() -> None:
+def test_bench_tiny_probes_record_passkey_heldout_and_training_perplexity(capsys) -> None:
     from hf_posswap.schemes.sandwich import sandwich_distance_table
 
     settings = bench_tiny.Settings(length=16, hidden=32, heads=2, kv_heads=1, steps=4, factors=(1, 2), trials=1,
@@ -129,6 +129,9 @@ def test_bench_tiny_probes_record_passkey_heldout_and_training_perplexity() -> N
     assert all(0.0 <= accuracy <= 1.0 and 1.0 < heldout < 1e4 and 1.0 < seen < 1e4
                for _, accuracy, heldout, seen in row["probe"])
     assert all(heldout != seen for _, _, heldout, seen in row["probe"])  # two texts, not one read twice
+    step, accuracy, heldout, seen = row["probe"][-1]
+    assert (f"sandwich:dim=8 seed 0 step 4: passkey {accuracy:.0%}, held-out ppl {heldout:.2f}, training ppl "
+            f"{seen:.2f}") in capsys.readouterr().out  # a log shows them as they come
     table = sandwich_distance_table(16, 8, 10_000.0, 2, torch.device("cpu"))  # [H, distance]
     expected = table[:, row["bias_profile"]["distances"]]
     assert torch.allclose(torch.tensor(row["bias_profile"]["layers"][1]), expected, atol=1e-3)
