@@ -12,6 +12,8 @@ from types import SimpleNamespace
 
 from readme_section import replace_section
 
+SCALED_ROWS = ("(zero-shot)", "(fine-tuned)")  # how the rows of the RoPE scalings end
+
 
 def _cell(values: list[float], fmt: str) -> str:
     if len(values) == 1:
@@ -27,6 +29,9 @@ def markdown(results: dict) -> str:
     uneven = len(set(counts.values())) > 1  # some runs have more seeds (a later part for a few of them)
     spread = " (mean ± std; column `seeds`: how many of them each run has)" if uneven else " (mean ± std)"
     steps_of = {label: [row.get("steps", settings.steps) for row in rows] for label, rows in results["runs"].items()}
+    for label in steps_of:  # a scaling's rows are the trained RoPE model's, extended: its steps
+        if label.endswith(SCALED_ROWS) and len(steps_of.get("rope", [])) == len(steps_of[label]):
+            steps_of[label] = steps_of["rope"]
     varied = any(steps != settings.steps for values in steps_of.values() for steps in values)
     until = getattr(settings, "until_retrieval", 0)
     budget = (f"{settings.steps} steps, or more until a training probe retrieved (≥ 90 % in distribution; at most "
@@ -110,8 +115,8 @@ def plot(results: dict, path: Path) -> Path:
 def merge(parts: list[dict], defaults: dict) -> dict:
     """Results of the same settings run for different seeds or runs (each (run, seed) is trained from its own seed,
     so the parts are what one run over all of them gives): rows concatenated per run, in seed order, runs in the
-    order the parts first name them; a (run, seed) found in two parts is refused. ``defaults``: every setting at its
-    default, for results written before a setting existed."""
+    order the parts first name them (RoPE scalings last); a (run, seed) found in two parts is refused.
+    ``defaults``: every setting at its default, for results written before a setting existed."""
     parts = [{**part, "settings": _with_defaults(part["settings"], defaults)} for part in parts]
     if len(parts) == 1:
         return parts[0]
@@ -136,7 +141,8 @@ def merge(parts: list[dict], defaults: dict) -> dict:
             merged["runs"].setdefault(label, []).extend(rows)
     merged["settings"]["seeds"].sort()
     labels = list(dict.fromkeys(label for part in parts for label in part["runs"]))  # the order they were given in
-    merged["runs"] = {label: merged["runs"][label] for label in labels}
+    scaled = [label for label in labels if label.endswith(SCALED_ROWS)]  # after every trained run, as bench_tiny does
+    merged["runs"] = {label: merged["runs"][label] for label in [*(x for x in labels if x not in scaled), *scaled]}
     merged["seconds"] = sum(part.get("seconds", 0.0) for part in parts)
     merged["command"] = " and ".join(f"`{parts[i].get('command', '?')}`" for i in order).strip("`")
     return merged

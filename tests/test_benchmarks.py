@@ -209,9 +209,11 @@ def test_bench_tiny_table_shows_the_steps_each_run_took() -> None:
     settings = {**DEFAULTS, "until_retrieval": 300, "steps": 100}
     row = {"windows": {"1": 4.0}, "tail": {}, "passkey": {"1": 1.0}}
     table = bench_tiny_report.markdown({"settings": {**settings, "factors": [1], "seeds": [0, 1]}, "runs": {
-        "alibi": [{**row, "steps": 120}, {**row, "steps": 140}], "fire": [{**row, "steps": 300}] * 2}})
+        "alibi": [{**row, "steps": 120}, {**row, "steps": 140}], "fire": [{**row, "steps": 300}] * 2,
+        "rope": [{**row, "steps": 200}, {**row, "steps": 260}], "rope+yarn (zero-shot)": [row, row]}})
     assert "at most 300, column `steps`" in table and "| run | steps | ppl 1x |" in table
     assert "| alibi | 130 ± 14 | 4.00 ± 0.00 |" in table and "| fire | 300 ± 0 |" in table
+    assert "| rope+yarn (zero-shot) | 230 ± 42 |" in table  # the RoPE model it extends trained that long
 
 
 def test_bench_tiny_report_merges_seeds_in_order() -> None:
@@ -241,6 +243,9 @@ def test_bench_tiny_report_merges_other_runs_of_one_seed_and_refuses_repeats() -
     later = {**part("alibi", 4.5), "settings": {**DEFAULTS, "seeds": [1], "factors": [1]}}
     merged = bench_tiny_report.merge([part("fire", 4.0), later, part("sandwich", 5.0)], DEFAULTS)
     assert list(merged["runs"]) == ["fire", "alibi", "sandwich"]  # as given, though seed 1 sorts first
+    rope = {**part("rope", 4.0), "runs": {"rope": [{}], "rope+yarn (zero-shot)": [{}], "rope+yarn (fine-tuned)": [{}]}}
+    merged = bench_tiny_report.merge([rope, part("sandwich", 5.0)], DEFAULTS)
+    assert list(merged["runs"]) == ["rope", "sandwich", "rope+yarn (zero-shot)", "rope+yarn (fine-tuned)"]
     with pytest.raises(SystemExit, match="'fire' seed 2 is in two"):
         bench_tiny_report.merge([part("fire", 4.0), part("fire", 4.1)], DEFAULTS)
 
