@@ -45,10 +45,11 @@ NOT_RUN = {
     "bash scripts/test.sh": "is CI itself (.ci/run runs exactly this)",
     "python scripts/bench_tiny.py --device cuda": "trains 14 tiny models x 10,000 steps on a GPU (hours on CPU); "
                                                   "its --quick mode runs in tests/test_benchmarks.py",
-    "python scripts/bench_tiny.py --schemes": "trains a tiny model for 10,000 steps per run (16-45 min on 2 cores); "
-                                              "tests/test_benchmarks.py runs scheme options and probes for a few "
-                                              "steps",
-    "python scripts/bench_tiny.py --report": "merges the GPU runs' results; tests/test_benchmarks.py tests the merge",
+    "python scripts/bench_tiny.py --schemes": "trains a tiny model for 10,000-20,000 steps per run (16-59 min on 2 "
+                                              "cores); tests/test_benchmarks.py runs scheme options and probes for a "
+                                              "few steps",
+    "python scripts/bench_tiny.py --report": "merges runs' results (GPU seeds, CPU parts); tests/test_benchmarks.py "
+                                             "tests the merge",
     "accelerate launch": "needs two processes; tests/test_finetune.py::test_two_processes_train_data_parallel runs "
                          "finetune() under the same launcher",
 }
