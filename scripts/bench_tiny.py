@@ -37,7 +37,7 @@ from hf_posswap.evaluation import BYTE_VOCAB_SIZE, byte_tokenizer, corpus_text, 
 from hf_posswap.evaluation.passkey import passkey_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tiny_report import merge, report  # noqa: E402
+from bench_tiny_report import merge, report, write_split  # noqa: E402
 
 # The evaluation's passkey format with a filler that shares no long substring with "The pass key is": with the
 # default filler ("The sky is blue") a byte-level model must match 6+ bytes to tell the key's "y is " apart.
@@ -138,18 +138,52 @@ FULL = Settings(length=256, steps=10_000, depths=(0.0, 0.25, 0.5, 0.75, 1.0), tr
 # --- data ------------------------------------------------------------------------------------------------------
 
 
-def corpus_split(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """pydoc topics as bytes: the first 90 % for training, the last 10 % held out for perplexity."""
-    ids = torch.tensor(tokenizer(corpus_text("pydoc"))["input_ids"])
+def corpus_split(tokenizer, text: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The documentation topics as bytes (``text``; None: this Python's pydoc topics): the first 90 % for training,
+    the last 10 % held out for perplexity."""
+    ids = torch.tensor(tokenizer(corpus_text("pydoc") if text is None else text)["input_ids"])
     cut = int(0.9 * ids.numel())
     return ids[:cut], ids[cut:]
 
 
-def corpus_fingerprint() -> str:
-    """sha256 (16 hex digits) of the pydoc topics: they change with the Python version, and so do perplexities."""
+def corpus_fingerprint(text: str | None = None) -> str:
+    """sha256 (16 hex digits) of the topics read (None: this Python's): they change with the Python version, and so
+    do perplexities."""
     import hashlib
 
-    return hashlib.sha256(corpus_text("pydoc").encode("utf-8")).hexdigest()[:16]
+    return hashlib.sha256((corpus_text("pydoc") if text is None else text).encode("utf-8")).hexdigest()[:16]
+
+
+MIN_CORPUS_CHARACTERS = 100_000  # the topics are ~465k; 10 % held out must still give 16 windows of 8x L = 2,048
+
+
+def read_corpus_file(path: Path) -> str:
+    """The topics written by ``--write-corpus`` under another Python (so that seeds run under different Pythons read
+    the same text). Raises ValueError, saying why and the fix, if missing, not UTF-8 or too short."""
+    try:
+        text = path.read_bytes().decode("utf-8")  # bytes: no newline translation, the text exactly as written
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--corpus-file {path}: cannot read it as UTF-8 text ({error}); write one with "
+                         "`python scripts/bench_tiny.py --write-corpus FILE`") from None
+    if len(text) < MIN_CORPUS_CHARACTERS:
+        raise ValueError(f"--corpus-file {path}: {len(text):,} characters, too short for the topics (~465k); write "
+                         "it with `python scripts/bench_tiny.py --write-corpus FILE`")
+    return text
+
+
+def write_corpus_file(path: Path) -> str:
+    """Write this Python's topics to ``path`` (atomically) for ``--corpus-file`` elsewhere; returns the fingerprint."""
+    import os
+
+    text = corpus_text("pydoc")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        temporary.write_bytes(text.encode("utf-8"))
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return corpus_fingerprint(text)
 
 
 def passkey_example(tokenizer, length: int, rng: random.Random) -> list[int]:
@@ -389,10 +423,12 @@ class Task:
     method: str | None = None
 
 
-def train_and_measure(settings: Settings, task: Task, device: str, probe_every: int, state_dir: Path | None) -> dict:
-    """Train ``task.label`` from scratch and measure it (tiling a learned table to reach past L)."""
+def train_and_measure(settings: Settings, task: Task, device: str, probe_every: int, state_dir: Path | None,
+                      text: str | None = None) -> dict:
+    """Train ``task.label`` from scratch on ``text`` (None: this Python's topics) and measure it (tiling a learned
+    table to reach past L)."""
     tokenizer = byte_tokenizer()
-    train_ids, heldout = corpus_split(tokenizer)
+    train_ids, heldout = corpus_split(tokenizer, text)
     started = time.time()
     model = build_model(settings, task.label, task.seed, device)
     data = batches(tokenizer, train_ids, settings.length, settings.batch, settings.synthetic, task.seed,
@@ -421,16 +457,17 @@ def train_and_measure(settings: Settings, task: Task, device: str, probe_every: 
         row["bias_profile"] = profile
     row["final_loss"] = statistics.mean(losses[-20:])
     row["steps"], row["decay_start"] = plan.total_steps, plan.decay_start
-    row["seconds"] = time.time() - started
+    row["seed"], row["seconds"] = task.seed, time.time() - started
     if curve:
         row["probe"] = curve
     return row
 
 
-def extend_and_measure(settings: Settings, task: Task, device: str, state_dir: Path) -> tuple[dict, dict]:
+def extend_and_measure(settings: Settings, task: Task, device: str, state_dir: Path,
+                       text: str | None = None) -> tuple[dict, dict]:
     """The seed's trained RoPE model extended with ``task.method``: measured zero-shot, fine-tuned, measured again."""
     tokenizer = byte_tokenizer()
-    train_ids, heldout = corpus_split(tokenizer)
+    train_ids, heldout = corpus_split(tokenizer, text)
     started = time.time()
     model = build_model(settings, "rope", task.seed, device)
     model.load_state_dict(torch.load(state_dir / f"rope-seed{task.seed}.pt", map_location=device))
@@ -440,19 +477,20 @@ def extend_and_measure(settings: Settings, task: Task, device: str, state_dir: P
                    settings.synthetic, task.seed + 1000, settings.passkey_share)
     train(model, data, settings.finetune_steps, settings.finetune_lr, f"fine-tune {task.method}")
     tuned = measure(model, tokenizer, heldout, settings)
+    zero_shot["seed"] = tuned["seed"] = task.seed
     tuned["seconds"] = time.time() - started
     return zero_shot, tuned
 
 
 def _do(settings: Settings, task: Task, device: str, probe_every: int, state_dir: Path,
-        threads: int | None = None) -> tuple[Task, list[dict]]:
+        threads: int | None = None, text: str | None = None) -> tuple[Task, list[dict]]:
     """A worker's entry point (top level, so a spawned process can import it); ``threads``: its share of the
-    machine's threads (a spawned process would take them all)."""
+    machine's threads (a spawned process would take them all); ``text``: the corpus (None: this Python's topics)."""
     if threads is not None:
         torch.set_num_threads(threads)
     if task.method is None:
-        return task, [train_and_measure(settings, task, device, probe_every, state_dir)]
-    return task, list(extend_and_measure(settings, task, device, state_dir))
+        return task, [train_and_measure(settings, task, device, probe_every, state_dir, text)]
+    return task, list(extend_and_measure(settings, task, device, state_dir, text))
 
 
 def worker_threads(device: str, jobs: int) -> int:
@@ -473,14 +511,22 @@ def run(
     device: str = "cpu",
     jobs: int = 1,
     probe_every: int = 0,
+    text: str | None = None,
+    command: str = "",
 ) -> dict:
     """Every (run, seed), then every (RoPE scaling, seed) once that seed's RoPE model is trained; ``jobs`` > 1 runs
     that many tasks at once in spawned processes (tiny models leave a GPU mostly idle). Rows come out in a fixed
-    order whatever the order the tasks finish in."""
+    order whatever the order the tasks finish in. ``partial`` gets what has finished after each task, with the
+    corpus fingerprint and versions, so that a run stopped early still merges with ``--report``."""
     import tempfile
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-    results: dict = {"settings": dataclasses.asdict(settings), "runs": {}}
+    started = time.time()
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    results: dict = {"settings": dataclasses.asdict(settings), "runs": {}, "command": command,
+                     "corpus": corpus_fingerprint(text),
+                     "versions": {"torch": torch.__version__, "python": sys.version.split()[0],
+                                  "threads": torch.get_num_threads(), "device": name, "jobs": jobs}}
     done: dict[tuple[str, int], dict] = {}
     order = [(label, seed) for label in schemes for seed in settings.seeds]
     scaled = [label for method in scalings for label in (f"rope+{method} (zero-shot)", f"rope+{method} (fine-tuned)")]
@@ -497,8 +543,11 @@ def run(
         for label, seed in order:
             if (label, seed) in done:
                 results["runs"].setdefault(label, []).append(done[(label, seed)])
-        if partial is not None:  # keep what finished if a later run fails
-            partial.write_text(json.dumps(results, indent=2), encoding="utf-8")
+        results["seconds"] = time.time() - started
+        if partial is not None:  # keep what finished if a later run fails or the run is stopped
+            temporary = partial.with_name(f".{partial.name}.tmp")
+            temporary.write_text(json.dumps(results, indent=2), encoding="utf-8")
+            temporary.replace(partial)
 
     def follow_ups(task: Task) -> list[Task]:
         return [Task("rope", task.seed, m) for m in scalings] if task.label == "rope" and task.method is None else []
@@ -508,20 +557,21 @@ def run(
         if jobs <= 1:
             while tasks:
                 task = tasks.pop(0)
-                record(*_do(settings, task, device, probe_every, Path(state_dir)))
+                record(*_do(settings, task, device, probe_every, Path(state_dir), None, text))
                 tasks[:0] = follow_ups(task)
             return results
         import multiprocessing
 
         threads = worker_threads(device, jobs)
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            pending = {pool.submit(_do, settings, t, device, probe_every, Path(state_dir), threads) for t in tasks}
+            pending = {pool.submit(_do, settings, t, device, probe_every, Path(state_dir), threads, text)
+                       for t in tasks}
             while pending:
                 finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                 for future in finished:
                     task, rows = future.result()
                     record(task, rows)
-                    pending |= {pool.submit(_do, settings, t, device, probe_every, Path(state_dir), threads)
+                    pending |= {pool.submit(_do, settings, t, device, probe_every, Path(state_dir), threads, text)
                                 for t in follow_ups(task)}
     return results
 
@@ -533,6 +583,9 @@ def settings_problem(settings: Settings, args: argparse.Namespace) -> str | None
     for name, value in counts.items():
         if value < 1:
             return f"--{name} {value}: must be at least 1"
+    if settings.length <= ANSWER_TOKENS:
+        return (f"--length {settings.length}: must be more than {ANSWER_TOKENS} (a passkey prompt and its "
+                f"{ANSWER_TOKENS}-token answer must fit in L)")
     if not 0 < settings.lr < float("inf"):
         return f"--lr {settings.lr}: must be a positive number"
     for name, value in (("synthetic", settings.synthetic), ("passkey-share", settings.passkey_share)):
@@ -584,12 +637,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, nargs="+",
                         help="only redraw the table and plot from earlier results.json files (several: runs of other "
                              "seeds with the same settings, merged)")
+    parser.add_argument("--split", type=Path, metavar="DIR",
+                        help="with --report: instead, write one part per (run, seed) into DIR, named NN_<run>_seed<S>"
+                             ".json (NN: the run's place in the full mode), RoPE scalings with their RoPE run")
+    parser.add_argument("--corpus-file", type=Path, metavar="FILE",
+                        help="read the documentation topics from FILE (written by --write-corpus) instead of this "
+                             "Python's pydoc topics, which differ between Python versions: seeds run under another "
+                             "Python then read the same text (results carry its fingerprint)")
+    parser.add_argument("--write-corpus", type=Path, metavar="FILE",
+                        help="only write this Python's documentation topics to FILE (for --corpus-file elsewhere)")
     args = parser.parse_args(argv)
     out = Path(args.output_dir)
+    if args.split is not None and args.report is None:
+        parser.error("--split DIR needs --report RESULTS.json (the results to split)")
+    if args.corpus_file is not None and (args.report is not None or args.write_corpus is not None):
+        parser.error("--corpus-file is for training runs; --report and --write-corpus read no corpus")
+    if args.write_corpus is not None:
+        try:
+            print(f"wrote {args.write_corpus} (corpus {write_corpus_file(args.write_corpus)})")
+        except OSError as error:
+            parser.error(f"--write-corpus {args.write_corpus}: {error}")
+        return 0
     if args.report is not None:
         parts = [json.loads(path.read_text(encoding="utf-8")) for path in args.report]
-        print(report(merge(parts, dataclasses.asdict(Settings())), out, args.readme))
+        merged = merge(parts, dataclasses.asdict(Settings()))
+        if args.split is not None:
+            for path in write_split(merged, args.split, RUNS):
+                print(f"wrote {path}")
+            return 0
+        print(report(merged, out, args.readme))
         return 0
+    try:
+        text = None if args.corpus_file is None else read_corpus_file(args.corpus_file)
+    except ValueError as error:
+        parser.error(str(error))
     settings = dataclasses.replace(QUICK if args.quick else FULL)
     for name in ("steps", "finetune_steps", "length", "trials", "lr", "batch", "synthetic", "passkey_share",
                  "decay_from", "until_retrieval"):
@@ -603,14 +684,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
     schemes = tuple(args.schemes or [r for r in runs if r in QUICK_RUNS or not args.quick])
+    command = "python scripts/bench_tiny.py " + " ".join(argv if argv is not None else sys.argv[1:])
     results = run(settings, schemes, tuple(args.scalings), lambda line: print(line, flush=True),
-                  out / "partial.json", args.device, args.jobs, args.probe_every)
+                  out / "partial.json", args.device, args.jobs, args.probe_every, text, command)
     results["seconds"] = time.time() - started
-    results["command"] = "python scripts/bench_tiny.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
-    results["corpus"] = corpus_fingerprint()
-    results["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0],
-                           "threads": torch.get_num_threads(), "device": device, "jobs": args.jobs}
     print(report(results, out, args.readme))
     print(f"\n{results['seconds']:.0f} s; wrote {out}/results.json, results.md, bench_tiny.png")
     return 0

@@ -6,6 +6,7 @@ runs made on another machine; it imports nothing from ``bench_tiny.py``.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 from types import SimpleNamespace
@@ -198,3 +199,47 @@ def report(results: dict, out: Path, readme: Path | None) -> str:
         )
         replace_section(readme, "bench-tiny", section)
     return table
+
+
+def write_split(results: dict, directory: Path, order: tuple[str, ...]) -> list[Path]:
+    """One results file per (run, seed) of ``results`` in ``directory``, as the full mode run in parts writes them:
+    ``NN_<run>_seed<S>.json``, NN the run's place in ``order`` (bench_tiny's RUNS; options after ":" aside), so
+    that a glob keeps the full mode's order; a seed's RoPE scaling rows go with its RoPE run. Refuses to replace a
+    file, and rows whose seed it cannot tell (results written before rows carried it, with a seed missing)."""
+    seeds = results["settings"]["seeds"]
+
+    def seed_of(label: str, index: int, rows: list[dict]) -> int:
+        if "seed" in rows[index]:
+            return rows[index]["seed"]
+        if len(rows) != len(seeds):
+            raise SystemExit(f"--split: run {label!r} has {len(rows)} rows for seeds {seeds} and no seed in them "
+                             "(results written before rows carried their seed); split it by hand")
+        return seeds[index]
+
+    parts: dict[Path, dict] = {}
+    for label, rows in results["runs"].items():
+        if label.endswith(SCALED_ROWS):
+            continue
+        for index in range(len(rows)):
+            seed = seed_of(label, index, rows)
+            part_runs = {label: [rows[index]]}
+            if label == "rope":
+                for scaled, scaled_rows in results["runs"].items():
+                    mine = [r for i, r in enumerate(scaled_rows) if seed_of(scaled, i, scaled_rows) == seed]
+                    if scaled.endswith(SCALED_ROWS) and mine:
+                        part_runs[scaled] = mine
+            slug = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
+            place = order.index(label.partition(":")[0]) + 1
+            path = directory / f"{place:02d}_{slug}_seed{seed}.json"
+            seconds = sum(row.get("seconds", 0.0) for found in part_runs.values() for row in found)
+            parts[path] = {**results, "settings": {**results["settings"], "seeds": [seed]}, "runs": part_runs,
+                           "seconds": seconds}
+    existing = [str(path) for path in parts if path.exists()]
+    if existing:
+        raise SystemExit(f"--split: {', '.join(existing)} already exist; remove them or split into another directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    for path, part in parts.items():
+        temporary = path.with_name(f".{path.name}.tmp")
+        temporary.write_text(json.dumps(part, indent=2), encoding="utf-8")
+        temporary.replace(path)
+    return list(parts)

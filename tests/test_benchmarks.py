@@ -190,6 +190,7 @@ def test_bench_tiny_until_retrieval_needs_probes_and_a_larger_maximum(capsys) ->
 
 @pytest.mark.parametrize("argv, says", [
     (["--steps", "0"], "--steps 0: must be at least 1"),
+    (["--length", "8"], "--length 8: must be more than 8"),
     (["--jobs", "0"], "--jobs 0"),
     (["--lr", "-1"], "--lr -1.0"),
     (["--synthetic", "1.5"], "--synthetic 1.5"),
@@ -197,9 +198,9 @@ def test_bench_tiny_until_retrieval_needs_probes_and_a_larger_maximum(capsys) ->
     (["--probe-every", "-5"], "--probe-every -5"),
     (["--seeds", "2", "2"], "a seed is given twice"),
     (["--schemes", "alibi", "alibi"], "a run is given twice"),
-], ids=["steps", "jobs", "lr", "synthetic", "decay-from", "probe-every", "seeds", "schemes"])
+], ids=["steps", "length", "jobs", "lr", "synthetic", "decay-from", "probe-every", "seeds", "schemes"])
 def test_bench_tiny_refuses_bad_numbers_before_training(argv: list[str], says: str, capsys) -> None:
-    tiny = ["--quick", "--steps", "1", "--length", "8", "--trials", "1", "--scalings", "--schemes", "alibi"]
+    tiny = ["--quick", "--steps", "1", "--length", "16", "--trials", "1", "--scalings", "--schemes", "alibi"]
     with pytest.raises(SystemExit) as stopped:  # a check that misses would train a tiny model, not hang the tests
         bench_tiny.main([*tiny, *argv, "--output-dir", "/nonexistent/never-written"])
     assert stopped.value.code == 2 and says in capsys.readouterr().err
@@ -288,6 +289,83 @@ def test_bench_tiny_refuses_to_merge_runs_on_different_corpora() -> None:
     merged = bench_tiny_report.merge([part(0, "3.12.3"), part(1, "3.12.1", "aaaa")], DEFAULTS)
     assert merged["settings"]["seeds"] == [0, 1]
     assert len(bench_tiny.corpus_fingerprint()) == 16
+
+
+def test_bench_tiny_corpus_file_carries_the_text_to_another_python(tmp_path, monkeypatch, capsys) -> None:
+    """Seeds run under another Python (a GPU machine's 3.12) read this Python's topics from a file: the text comes
+    back byte for byte with the same fingerprint, training reads it (not the running Python's), results record it,
+    and bad files are refused in one line before training."""
+    path = tmp_path / "topics.txt"
+    assert bench_tiny.main(["--write-corpus", str(path)]) == 0
+    native = bench_tiny.corpus_text("pydoc")
+    assert bench_tiny.read_corpus_file(path) == native and path.read_bytes() == native.encode("utf-8")
+    assert f"corpus {bench_tiny.corpus_fingerprint()}" in capsys.readouterr().out
+    other = tmp_path / "other.txt"
+    other.write_bytes(("Another Python's topics.\r\n" + native[:200_000]).encode("utf-8"))  # \r kept as written
+    text = bench_tiny.read_corpus_file(other)
+    assert text.startswith("Another Python's topics.\r\n")
+    seen = []
+
+    def split(tokenizer, text=None):
+        seen.append(text)
+        return real_split(tokenizer, text)
+
+    real_split = bench_tiny.corpus_split
+    monkeypatch.setattr(bench_tiny, "corpus_split", split)
+    out = tmp_path / "out"
+    argv = ["--quick", "--schemes", "alibi", "rope", "--scalings", "yarn", "--steps", "1", "--finetune-steps", "1",
+            "--length", "16", "--trials", "1", "--corpus-file", str(other), "--output-dir", str(out)]
+    assert bench_tiny.main(argv) == 0
+    assert len(seen) == 3 and all(found == text for found in seen)  # two runs and the scaling read the file
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    assert results["corpus"] == bench_tiny.corpus_fingerprint(text) != bench_tiny.corpus_fingerprint()
+    short, binary = tmp_path / "short.txt", tmp_path / "binary.txt"
+    short.write_text("too short", encoding="utf-8")
+    binary.write_bytes(b"\xff\xfe" * 100_000)
+    for bad, says in ((tmp_path / "missing.txt", "cannot read"), (short, "too short"), (binary, "as UTF-8")):
+        with pytest.raises(SystemExit) as stopped:
+            bench_tiny.main([*argv[:-2], "--corpus-file", str(bad), "--output-dir", str(tmp_path / "never")])
+        assert stopped.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+    with pytest.raises(SystemExit) as stopped:  # a directory where the file should go: one line, nothing left
+        bench_tiny.main(["--write-corpus", str(tmp_path)])
+    assert stopped.value.code == 2 and "--write-corpus" in capsys.readouterr().err
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_bench_tiny_partial_results_merge_and_split_into_parts(tmp_path, capsys) -> None:
+    """A run stopped early (a lent GPU's time ran out) leaves partial.json, which carries what --report needs (corpus,
+    versions, command, each row's seed); --split writes it as the parts a run in parts writes, one per (run, seed),
+    named so that a glob keeps the full mode's order, a seed's RoPE scalings with its RoPE run."""
+    out = tmp_path / "out"
+    argv = ["--quick", "--schemes", "rope", "sandwich:dim=8", "--scalings", "yarn", "--steps", "1", "--finetune-steps",
+            "1", "--length", "16", "--trials", "1", "--seeds", "0", "2", "--output-dir", str(out)]
+    assert bench_tiny.main(argv) == 0
+    partial = json.loads((out / "partial.json").read_text(encoding="utf-8"))
+    assert partial["corpus"] == bench_tiny.corpus_fingerprint() and partial["versions"]["device"] == "cpu"
+    assert partial["command"].endswith(str(out)) and partial["seconds"] > 0
+    assert [row["seed"] for row in partial["runs"]["rope+yarn (fine-tuned)"]] == [0, 2]
+    parts = tmp_path / "parts"
+    assert bench_tiny.main(["--report", str(out / "partial.json"), "--split", str(parts)]) == 0
+    names = sorted(path.name for path in parts.glob("*.json"))
+    assert names == ["06_rope_seed0.json", "06_rope_seed2.json", "10_sandwich_dim_8_seed0.json",
+                     "10_sandwich_dim_8_seed2.json"]
+    rope2 = json.loads((parts / "06_rope_seed2.json").read_text(encoding="utf-8"))
+    assert rope2["settings"]["seeds"] == [2] and list(rope2["runs"]) == [
+        "rope", "rope+yarn (zero-shot)", "rope+yarn (fine-tuned)"]
+    assert all(rows[0]["seed"] == 2 and len(rows) == 1 for rows in rope2["runs"].values())
+    merged = bench_tiny_report.merge([json.loads(p.read_text(encoding="utf-8")) for p in sorted(parts.glob("*"))],
+                                     DEFAULTS)
+    assert {label: [r["seed"] for r in rows] for label, rows in merged["runs"].items()} == {
+        label: [r["seed"] for r in rows] for label, rows in partial["runs"].items()}
+    with pytest.raises(SystemExit, match="already exist"):  # nothing written is replaced
+        bench_tiny.main(["--report", str(out / "partial.json"), "--split", str(parts)])
+    old = {**partial, "runs": {"alibi": [{k: v for k, v in partial["runs"]["rope"][0].items() if k != "seed"}]}}
+    with pytest.raises(SystemExit, match="no seed in them"):  # rows of an older run: which seed is it?
+        bench_tiny_report.write_split(old, tmp_path / "old", bench_tiny.RUNS)
+    with pytest.raises(SystemExit) as stopped:
+        bench_tiny.main(["--split", str(parts)])
+    assert stopped.value.code == 2 and "--split DIR needs --report" in capsys.readouterr().err
 
 
 def test_bench_tiny_workers_share_the_cpu_threads() -> None:
