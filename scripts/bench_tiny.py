@@ -423,6 +423,23 @@ class Task:
     method: str | None = None
 
 
+def make_probe(model: torch.nn.Module, tokenizer, train_ids: torch.Tensor, heldout: torch.Tensor,
+               length: int) -> Callable[[], list[float]]:
+    """A training probe (PROBE_READS): in-distribution passkey at ``length`` (fewer keys than the evaluation; other
+    keys: seed 1), held-out perplexity on the evaluation's first windows of ``length``, and the same on the training
+    text's first windows (seen many times): retrieval, and overfitting (the gap between the two perplexities)."""
+
+    def probe() -> list[float]:
+        depths = (0.0, 0.5, 1.0)
+        accuracy = statistics.mean(passkey_accuracy(model, tokenizer, length - ANSWER_TOKENS, depth, 4, seed=1,
+                                                    filler=FILLER).accuracy for depth in depths)
+        heldout_ppl = perplexity(model, heldout, length, max_windows=PROBE_WINDOWS).perplexity
+        train_ppl = perplexity(model, train_ids, length, max_windows=PROBE_WINDOWS).perplexity
+        return [accuracy, heldout_ppl, train_ppl]
+
+    return probe
+
+
 def train_and_measure(settings: Settings, task: Task, device: str, probe_every: int, state_dir: Path | None,
                       text: str | None = None) -> dict:
     """Train ``task.label`` from scratch on ``text`` (None: this Python's topics) and measure it (tiling a learned
@@ -434,17 +451,7 @@ def train_and_measure(settings: Settings, task: Task, device: str, probe_every: 
     data = batches(tokenizer, train_ids, settings.length, settings.batch, settings.synthetic, task.seed,
                    settings.passkey_share)
 
-    def probe() -> list[float]:
-        """In-distribution passkey (fewer keys than the evaluation; other keys: seed 1), held-out perplexity at 1x
-        on the evaluation's first windows, and the same on the training text's first windows (seen many times):
-        retrieval, and overfitting (the gap between the two perplexities) during training."""
-        depths = (0.0, 0.5, 1.0)
-        accuracy = statistics.mean(passkey_accuracy(model, tokenizer, settings.length - ANSWER_TOKENS, depth, 4,
-                                                    seed=1, filler=FILLER).accuracy for depth in depths)
-        heldout_ppl = perplexity(model, heldout, settings.length, max_windows=PROBE_WINDOWS).perplexity
-        train_ppl = perplexity(model, train_ids, settings.length, max_windows=PROBE_WINDOWS).perplexity
-        return [accuracy, heldout_ppl, train_ppl]
-
+    probe = make_probe(model, tokenizer, train_ids, heldout, settings.length)
     losses, curve, plan = train(model, data, settings.steps, settings.lr, f"{task.label} seed {task.seed}", probe,
                                 probe_every, settings.decay_from, settings.until_retrieval)
     if task.label == "rope" and state_dir is not None:
