@@ -106,11 +106,32 @@ class Distilled(torch.nn.Module):
         return SimpleNamespace(loss=(1 - self.weight) * output.loss + self.weight * kl, logits=output.logits)
 
 
+def claim_work_dir(work: Path, settings: Settings) -> None:
+    """Mark ``work`` as holding runs of ``settings``; refuse (one line) one that holds runs of other settings, whose
+    RoPE model and variants would otherwise be reused as if they were these (a --quick run's, say)."""
+    marker = work / "settings.json"
+    wanted = json.dumps(dataclasses.asdict(settings), indent=2, sort_keys=True) + "\n"
+    if marker.exists() and marker.read_text(encoding="utf-8") != wanted:
+        raise SystemExit(f"recipe_convert_tiny: --work-dir {work} holds runs made with other settings "
+                         f"({marker}); choose another --work-dir, or remove that one to start again")
+    work.mkdir(parents=True, exist_ok=True)
+    write_file_atomic(marker, wanted)
+
+
+def read_done(path: Path) -> dict | None:
+    """A finished step's record, or None if it is missing or unreadable (a run killed while writing: redo it)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
 def rope_model(settings: Settings, work: Path, device: str) -> tuple[Path, dict]:
     """Train the RoPE model as bench_tiny does (or reuse the one in ``work``): its weights and its measurement."""
     state, row_path = work / f"rope-seed{settings.seed}.pt", work / f"rope-seed{settings.seed}.json"
-    if state.exists() and row_path.exists():
-        return state, json.loads(row_path.read_text(encoding="utf-8"))
+    row = read_done(row_path)
+    if state.exists() and row is not None:  # the record is written after the weights
+        return state, row
     row = bench_tiny.train_and_measure(settings.model, bench_tiny.Task("rope", settings.seed), device,
                                        settings.curve_every * 4, work)  # writes rope-seed<S>.pt
     write_file_atomic(row_path, json.dumps(row, indent=2) + "\n")
@@ -236,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
     work = args.work_dir or ROOT / "outputs" / ("recipe_convert_tiny_quick" if args.quick else "recipe_convert_tiny")
     results_path = args.results or (work / "recipe_convert_tiny.json" if args.quick
                                     else ROOT / "scripts" / "results" / "recipe_convert_tiny.json")
-    work.mkdir(parents=True, exist_ok=True)
+    claim_work_dir(work, settings)
     started = time.time()
     tokenizer = byte_tokenizer()
     data = (tokenizer, *bench_tiny.corpus_split(tokenizer))
@@ -247,8 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                                              sys.argv[1:])}
     for name in args.variants or list(VARIANTS):
         done = work / f"{name}.json"
-        row = (json.loads(done.read_text(encoding="utf-8")) if done.exists()
-               else run_variant(name, settings, state, data, args.device))
+        row = read_done(done) or run_variant(name, settings, state, data, args.device)
         write_file_atomic(done, json.dumps(row, indent=2) + "\n")
         results["rows"].append(row)
         print(f"{name}: ppl " + ", ".join(f"{f}x {v:.2f}" for f, v in row["windows"].items()) + "; passkey "

@@ -92,6 +92,11 @@ def test_quick_mode_runs_every_variant_writes_its_table_and_reuses_finished_work
     again = tiny.main(["--quick", "--work-dir", str(work), "--variants", "none-plain"])
     assert state.stat().st_mtime_ns == stamp  # the RoPE model was reused, not trained again
     assert again["rows"] == [results["rows"][1]]
+    (work / "none-plain.json").write_text('{"variant": "none-pl', encoding="utf-8")  # killed while writing
+    redone = tiny.main(["--quick", "--work-dir", str(work), "--variants", "none-plain"])
+    assert redone["rows"][0]["variant"] == "none-plain" and state.stat().st_mtime_ns == stamp
+    with pytest.raises(SystemExit, match="other settings"):  # a quick run's models are not the full mode's
+        tiny.claim_work_dir(work, tiny.FULL)
 
 
 def test_full_settings_follow_protocol_a() -> None:
