@@ -83,6 +83,7 @@ class Settings:
     passkey_share: float = 0.5  # of the synthetic sequences, the share that are passkey examples (the rest: copy)
     decay_from: float = 0.8  # the learning rate decays linearly to 10 % over the steps after this share of them
     until_retrieval: int = 0  # > steps: the stable phase lasts until a probe retrieves, ending by this step (Schedule)
+    curriculum: float = 0.0  # > 0: the training length ramps from L/4 to L over this share of the steps (LengthRamp)
 
 
 def available_runs() -> tuple[str, ...]:
@@ -201,13 +202,35 @@ def copy_example(tokenizer, length: int, rng: random.Random) -> list[int]:  # sa
     return tokenizer(chunk * (length // len(chunk) + 1), add_special_tokens=False)["input_ids"][:length]
 
 
+class LengthRamp:
+    """A length curriculum: the training length of each batch drawn, from L/4 up to L linearly over the first
+    ``share`` of ``steps`` batches (multiples of 8 tokens), then L. Shorter sequences first make the look-back that
+    retrieval needs easier to find (e.g. for NoPE, whose only position signal is the causal mask)."""
+
+    def __init__(self, length: int, steps: int, share: float) -> None:
+        self.length, self.start = length, max(ANSWER_TOKENS + 1, length // 4)
+        self.ramp = int(share * steps)
+        self.drawn = 0
+
+    def __call__(self) -> int:
+        step, self.drawn = self.drawn, self.drawn + 1
+        if step >= self.ramp:
+            return self.length
+        grown = self.start + (self.length - self.start) * step // self.ramp
+        return max(self.start, grown - grown % 8)
+
+
 def batches(
-    tokenizer, train_ids: torch.Tensor, length: int, batch: int, synthetic: float, seed: int, passkey_share: float = 0.5
+    tokenizer, train_ids: torch.Tensor, length: int | Callable[[], int], batch: int, synthetic: float, seed: int,
+    passkey_share: float = 0.5,
 ) -> Iterator:
     """Endless [batch, length] batches: corpus crops, and with probability ``synthetic`` a passkey example
-    (``passkey_share`` of them) or a copy example."""
+    (``passkey_share`` of them) or a copy example. ``length`` may be a callable (a :class:`LengthRamp`), asked once a
+    batch."""
     rng = random.Random(seed)
+    fixed = length
     while True:
+        length = fixed() if callable(fixed) else fixed
         rows = []
         for _ in range(batch):
             if rng.random() < synthetic:
@@ -448,7 +471,9 @@ def train_and_measure(settings: Settings, task: Task, device: str, probe_every: 
     train_ids, heldout = corpus_split(tokenizer, text)
     started = time.time()
     model = build_model(settings, task.label, task.seed, device)
-    data = batches(tokenizer, train_ids, settings.length, settings.batch, settings.synthetic, task.seed,
+    length = (LengthRamp(settings.length, settings.steps, settings.curriculum) if settings.curriculum
+              else settings.length)
+    data = batches(tokenizer, train_ids, length, settings.batch, settings.synthetic, task.seed,
                    settings.passkey_share)
 
     probe = make_probe(model, tokenizer, train_ids, heldout, settings.length)
@@ -598,6 +623,9 @@ def settings_problem(settings: Settings, args: argparse.Namespace) -> str | None
     for name, value in (("synthetic", settings.synthetic), ("passkey-share", settings.passkey_share)):
         if not 0 <= value <= 1:
             return f"--{name} {value}: must be a share in [0, 1]"
+    if not 0 <= settings.curriculum <= settings.decay_from:
+        return (f"--curriculum {settings.curriculum}: must be a share in [0, --decay-from {settings.decay_from}] "
+                "(the length reaches L before the learning rate decays)")
     if not 0 <= settings.decay_from < 1:
         return f"--decay-from {settings.decay_from}: must be in [0, 1) (the decay needs steps after it)"
     if args.probe_every < 0:
@@ -634,6 +662,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--until-retrieval", type=int, metavar="MAX_STEPS",
                         help="keep the learning rate up until a probe retrieves (>= 90 %%; needs --probe-every), then "
                              "decay as usual; stop by MAX_STEPS (> --steps) if it never does")
+    parser.add_argument("--curriculum", type=float, metavar="SHARE",
+                        help="a length curriculum: train on sequences growing from L/4 to L over this share of the "
+                             "steps (0: off, the default)")
     parser.add_argument("--device", default="cpu", help="torch device to train and measure on (default cpu)")
     parser.add_argument("--jobs", type=int, default=1, help="tasks run at once in separate processes (GPU: several)")
     parser.add_argument("--probe-every", type=int, default=0,
@@ -680,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     settings = dataclasses.replace(QUICK if args.quick else FULL)
     for name in ("steps", "finetune_steps", "length", "trials", "lr", "batch", "synthetic", "passkey_share",
-                 "decay_from", "until_retrieval"):
+                 "decay_from", "until_retrieval", "curriculum"):
         if getattr(args, name) is not None:
             setattr(settings, name, getattr(args, name))
     if args.seeds:

@@ -37,6 +37,9 @@ def markdown(results: dict) -> str:
     until = getattr(settings, "until_retrieval", 0)
     budget = (f"{settings.steps} steps, or more until a training probe retrieved (≥ 90 % in distribution; at most "
               f"{until}, column `steps`)" if until else f"{settings.steps} steps")
+    curriculum = getattr(settings, "curriculum", 0.0)
+    if curriculum:
+        budget += f", the length growing from L/4 to L over the first {curriculum:.0%} of {settings.steps} steps"
     lines = [
         f"Tiny LLaMA-shaped byte-level decoders ({settings.layers} layers, hidden {settings.hidden}, "
         f"{settings.heads} heads of dim {settings.hidden // settings.heads}, {settings.kv_heads} kv heads) trained "

@@ -171,6 +171,22 @@ def test_bench_tiny_schedule_fixed_and_until_retrieval() -> None:
     assert never.decay_start == 280 and never.total_steps == 300
 
 
+def test_bench_tiny_length_curriculum_grows_from_a_quarter_to_l() -> None:
+    ramp = bench_tiny.LengthRamp(256, 100, 0.5)  # 64 -> 256 over 50 batches, in multiples of 8, then 256
+    expected = [max(64, int((64 + 192 * step / 50) // 8) * 8) for step in range(50)] + [256] * 10
+    assert [ramp() for _ in range(60)] == expected and expected[0] == 64 and expected[25] == 160
+    data = bench_tiny.batches(bench_tiny.byte_tokenizer(), torch.randint(0, 200, (4000,)),
+                              bench_tiny.LengthRamp(32, 4, 0.5), 3, 0.5, 0)
+    assert [tuple(next(data).shape) for _ in range(3)] == [(3, 9), (3, 16), (3, 32)]  # L/4 = 8 is too short: 9
+    settings = bench_tiny.Settings(length=32, hidden=32, heads=2, kv_heads=1, steps=4, factors=(1,), trials=1,
+                                   max_windows=1, depths=(0.5,), curriculum=0.5)
+    row = bench_tiny.train_and_measure(settings, bench_tiny.Task("none", 0), "cpu", 0, None)
+    assert row["steps"] == 4
+    table = bench_tiny_report.markdown({"settings": {**DEFAULTS, "curriculum": 0.5, "factors": [1], "seeds": [0]},
+                                        "runs": {"none": [{"windows": {"1": 4.0}, "tail": {}, "passkey": {"1": 1.0}}]}})
+    assert "growing from L/4 to L over the first 50% of 2500 steps" in table
+
+
 @pytest.mark.parametrize("accuracy, steps", [(1.0, 10), (0.0, 40)], ids=["retrieves", "never-retrieves"])
 def test_bench_tiny_trains_until_retrieval(accuracy: float, steps: int) -> None:
     settings = bench_tiny.Settings(length=16, hidden=32, heads=2, kv_heads=1)
@@ -195,10 +211,13 @@ def test_bench_tiny_until_retrieval_needs_probes_and_a_larger_maximum(capsys) ->
     (["--lr", "-1"], "--lr -1.0"),
     (["--synthetic", "1.5"], "--synthetic 1.5"),
     (["--decay-from", "1.5"], "--decay-from 1.5"),
+    (["--curriculum", "0.9"], "--curriculum 0.9"),
+    (["--curriculum", "-0.1"], "--curriculum -0.1"),
     (["--probe-every", "-5"], "--probe-every -5"),
     (["--seeds", "2", "2"], "a seed is given twice"),
     (["--schemes", "alibi", "alibi"], "a run is given twice"),
-], ids=["steps", "length", "jobs", "lr", "synthetic", "decay-from", "probe-every", "seeds", "schemes"])
+], ids=["steps", "length", "jobs", "lr", "synthetic", "decay-from", "curriculum-late", "curriculum-negative",
+        "probe-every", "seeds", "schemes"])
 def test_bench_tiny_refuses_bad_numbers_before_training(argv: list[str], says: str, capsys) -> None:
     tiny = ["--quick", "--steps", "1", "--length", "16", "--trials", "1", "--scalings", "--schemes", "alibi"]
     with pytest.raises(SystemExit) as stopped:  # a check that misses would train a tiny model, not hang the tests
