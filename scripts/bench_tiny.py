@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -37,7 +39,7 @@ from hf_posswap.evaluation import BYTE_VOCAB_SIZE, byte_tokenizer, corpus_text, 
 from hf_posswap.evaluation.passkey import passkey_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tiny_report import merge, report, write_split  # noqa: E402
+from bench_tiny_report import load_parts, merge, report, write_split  # noqa: E402
 
 # The evaluation's passkey format with a filler that shares no long substring with "The pass key is": with the
 # default filler ("The sky is blue") a byte-level model must match 6+ bytes to tell the key's "y is " apart.
@@ -284,6 +286,14 @@ def tile_learned_table(model: torch.nn.Module, length: int) -> None:
     table.weight = torch.nn.Parameter(grow_table(table.weight.detach(), length, "copy"))
 
 
+class TrainingDiverged(RuntimeError):
+    """A training loss that is not finite: the run is stopped rather than measured."""
+
+
+class TrainingFailed(RuntimeError):
+    """Runs of a --jobs pool failed; the others' results were kept."""
+
+
 RETRIEVAL_TARGET = 0.9  # in-distribution passkey accuracy read as "retrieves" (Protocol A's bar)
 
 
@@ -345,6 +355,9 @@ def train(
     while step < plan.total_steps:
         input_ids = next(data).to(device)
         loss = model(input_ids=input_ids, labels=input_ids).loss
+        if not math.isfinite(float(loss.detach())):  # a diverged run never becomes a result
+            raise TrainingDiverged(f"{desc}: the loss is {float(loss.detach())} at step {step + 1}; lower --lr (or "
+                                   "--finetune-lr) or check the run's settings")
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -480,7 +493,9 @@ def train_and_measure(settings: Settings, task: Task, device: str, probe_every: 
     losses, curve, plan = train(model, data, settings.steps, settings.lr, f"{task.label} seed {task.seed}", probe,
                                 probe_every, settings.decay_from, settings.until_retrieval)
     if task.label == "rope" and state_dir is not None:
-        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, state_dir / f"rope-seed{task.seed}.pt")
+        state, kept = state_dir / f".rope-seed{task.seed}.pt.tmp", state_dir / f"rope-seed{task.seed}.pt"
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, state)
+        state.replace(kept)  # whole or not at all: a later run reuses it
     if task.label.startswith("learned"):  # a learned table has no rows past L: tile it (1x is unchanged)
         tile_learned_table(model, max(settings.factors) * settings.length)
     row = measure(model, tokenizer, heldout, settings)
@@ -545,6 +560,7 @@ def run(
     probe_every: int = 0,
     text: str | None = None,
     command: str = "",
+    worker: Callable = _do,
 ) -> dict:
     """Every (run, seed), then every (RoPE scaling, seed) once that seed's RoPE model is trained; ``jobs`` > 1 runs
     that many tasks at once in spawned processes (tiny models leave a GPU mostly idle). Rows come out in a fixed
@@ -572,6 +588,7 @@ def run(
             summary = ", ".join(f"{f}x {row['windows'][f]:.2f}/{row['passkey'][f]:.0%}" for f in settings.factors)
             log(f"  {label:28s} seed {task.seed}: ppl/passkey {summary}")
         results["runs"] = {}
+        results["settings"]["seeds"] = sorted({seed for _, seed in done})  # what the results hold so far
         for label, seed in order:
             if (label, seed) in done:
                 results["runs"].setdefault(label, []).append(done[(label, seed)])
@@ -589,22 +606,37 @@ def run(
         if jobs <= 1:
             while tasks:
                 task = tasks.pop(0)
-                record(*_do(settings, task, device, probe_every, Path(state_dir), None, text))
+                record(*worker(settings, task, device, probe_every, Path(state_dir), None, text))
                 tasks[:0] = follow_ups(task)
             return results
         import multiprocessing
 
         threads = worker_threads(device, jobs)
+        failures: list[str] = []
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            pending = {pool.submit(_do, settings, t, device, probe_every, Path(state_dir), threads, text)
-                       for t in tasks}
+            def submit(task: Task):
+                future = pool.submit(worker, settings, task, device, probe_every, Path(state_dir), threads, text)
+                future.task = task  # which task a failed future was
+                return future
+
+            pending = {submit(t) for t in tasks}
             while pending:
                 finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                 for future in finished:
-                    task, rows = future.result()
+                    try:
+                        task, rows = future.result()
+                    except Exception as error:  # noqa: BLE001 -- said below, after the other runs are kept
+                        failures.append(f"{future.task.label} seed {future.task.seed}: {error}")
+                        for waiting in pending:  # runs not started are dropped; running ones finish and are kept
+                            waiting.cancel()
+                        continue
                     record(task, rows)
-                    pending |= {pool.submit(_do, settings, t, device, probe_every, Path(state_dir), threads, text)
-                                for t in follow_ups(task)}
+                    if not failures:
+                        pending |= {submit(t) for t in follow_ups(task)}
+                pending = {future for future in pending if not future.cancelled()}
+        if failures:
+            raise TrainingFailed(f"{len(failures)} run(s) failed ({'; '.join(failures)}); the runs that finished are "
+                                 "in partial.json")
     return results
 
 
@@ -623,11 +655,13 @@ def settings_problem(settings: Settings, args: argparse.Namespace) -> str | None
     for name, value in (("synthetic", settings.synthetic), ("passkey-share", settings.passkey_share)):
         if not 0 <= value <= 1:
             return f"--{name} {value}: must be a share in [0, 1]"
+    if not 0 <= settings.decay_from < 1:
+        return f"--decay-from {settings.decay_from}: must be in [0, 1) (the decay needs steps after it)"
     if not 0 <= settings.curriculum <= settings.decay_from:
         return (f"--curriculum {settings.curriculum}: must be a share in [0, --decay-from {settings.decay_from}] "
                 "(the length reaches L before the learning rate decays)")
-    if not 0 <= settings.decay_from < 1:
-        return f"--decay-from {settings.decay_from}: must be in [0, 1) (the decay needs steps after it)"
+    if any(not 0 <= seed < 2**32 for seed in settings.seeds):
+        return f"--seeds {' '.join(map(str, settings.seeds))}: each seed must be in [0, 2**32)"
     if args.probe_every < 0:
         return f"--probe-every {args.probe_every}: must be 0 (no probes) or a positive number of steps"
     if len(set(settings.seeds)) != len(settings.seeds):
@@ -641,14 +675,15 @@ def settings_problem(settings: Settings, args: argparse.Namespace) -> str | None
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one seed and a small budget (under 15 minutes)")
     runs = available_runs()
     parser.add_argument("--schemes", nargs="+", type=run_label, metavar="RUN",
                         help=f"runs to train (default: all; with --quick: {', '.join(QUICK_RUNS)}): {', '.join(runs)}; "
                              "RUN:key=value[,key=value] passes options to its scheme (e.g. sandwich:dim=32)")
-    parser.add_argument("--scalings", nargs="*", default=list(SCALINGS), choices=SCALINGS)
+    parser.add_argument("--scalings", nargs="*", choices=SCALINGS,
+                        help="RoPE scalings applied to the trained RoPE run (default: all; none without a value)")
     parser.add_argument("--steps", type=int, help="override the training steps")
     parser.add_argument("--finetune-steps", type=int, help="override the fine-tuning steps of the RoPE scalings")
     parser.add_argument("--seeds", type=int, nargs="+", help="override the seeds")
@@ -671,6 +706,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure in-distribution passkey and held-out perplexity every N training steps (the "
                              "learning curves)")
     parser.add_argument("--output-dir", default="outputs/bench_tiny", help="where results.json/.md and the plot go")
+    parser.add_argument("--overwrite-output-dir", action="store_true",
+                        help="train into an --output-dir that holds an earlier run's results (replacing them)")
     parser.add_argument("--readme", type=Path, help="README to refresh between <!-- bench-tiny:start/end --> markers")
     parser.add_argument("--report", type=Path, nargs="+",
                         help="only redraw the table and plot from earlier results.json files (several: runs of other "
@@ -684,27 +721,86 @@ def main(argv: list[str] | None = None) -> int:
                              "Python then read the same text (results carry its fingerprint)")
     parser.add_argument("--write-corpus", type=Path, metavar="FILE",
                         help="only write this Python's documentation topics to FILE (for --corpus-file elsewhere)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    out = Path(args.output_dir)
+    if args.write_corpus is not None:
+        return write_corpus_command(args, parser)
+    if args.corpus_file is not None and args.report is not None:
+        parser.error("--corpus-file is for training runs; --report reads no corpus")
     if args.split is not None and args.report is None:
         parser.error("--split DIR needs --report RESULTS.json (the results to split)")
-    if args.corpus_file is not None and (args.report is not None or args.write_corpus is not None):
-        parser.error("--corpus-file is for training runs; --report and --write-corpus read no corpus")
-    if args.write_corpus is not None:
-        try:
-            print(f"wrote {args.write_corpus} (corpus {write_corpus_file(args.write_corpus)})")
-        except OSError as error:
-            parser.error(f"--write-corpus {args.write_corpus}: {error}")
-        return 0
     if args.report is not None:
-        parts = [json.loads(path.read_text(encoding="utf-8")) for path in args.report]
-        merged = merge(parts, dataclasses.asdict(Settings()))
-        if args.split is not None:
-            for path in write_split(merged, args.split, RUNS):
-                print(f"wrote {path}")
-            return 0
-        print(report(merged, out, args.readme))
+        return report_command(args, parser)
+    settings, text = training_preflight(args, parser)
+    started = time.time()
+    out = Path(args.output_dir)
+    runs = available_runs()
+    schemes = tuple(args.schemes or [r for r in runs if r in QUICK_RUNS or not args.quick])
+    scalings = tuple(SCALINGS if args.scalings is None else args.scalings)
+    command = shlex.join(["python", "scripts/bench_tiny.py", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        results = run(settings, schemes, scalings, lambda line: print(line, flush=True), out / "partial.json",
+                      args.device, args.jobs, args.probe_every, text, command)
+    except (TrainingDiverged, TrainingFailed) as error:
+        print(f"bench_tiny: {error}", file=sys.stderr)
+        return 1
+    results["seconds"] = time.time() - started
+    print(report(results, out, args.readme))
+    print(f"\n{results['seconds']:.0f} s; wrote {out}/results.json, results.md, bench_tiny.png")
+    return 0
+
+
+def write_corpus_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """--write-corpus FILE, alone: this Python's topics to a new file."""
+    if args.report is not None or args.corpus_file is not None:
+        parser.error("--write-corpus only writes this Python's topics; run it without --report or --corpus-file")
+    if args.write_corpus.exists() or not args.write_corpus.name:
+        parser.error(f"--write-corpus {args.write_corpus}: already exists (or names no file); choose a new file "
+                     "name, so that no corpus carried from another Python is replaced")
+    try:
+        print(f"wrote {args.write_corpus} (corpus {write_corpus_file(args.write_corpus)})")
+    except OSError as error:
+        parser.error(f"--write-corpus {args.write_corpus}: {error}")
+    return 0
+
+
+def report_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """--report RESULTS... [--split DIR]: merge results, then redraw them, or write them as parts."""
+    out = Path(args.output_dir)
+    if args.split is not None and args.readme is not None:
+        parser.error("--split writes parts only; refresh the README with --report PARTS... --readme README.md")
+    written = out.resolve() / "results.json"
+    if args.split is None and any(path.resolve() == written for path in args.report):
+        parser.error(f"--report {written}: is the file this report writes; give another --output-dir")
+    check_writable_readme(args.readme, parser)
+    merged = merge(load_parts(args.report), dataclasses.asdict(Settings()))
+    if args.split is not None:
+        for path in write_split(merged, args.split, RUNS):
+            print(f"wrote {path}")
         return 0
+    print(report(merged, out, args.readme))
+    return 0
+
+
+def check_writable_readme(readme: Path | None, parser: argparse.ArgumentParser) -> None:
+    if readme is None:
+        return
+    try:
+        text = readme.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        parser.error(f"--readme {readme}: cannot read it ({error})")
+    if "<!-- bench-tiny:start -->" not in text or "<!-- bench-tiny:end -->" not in text:
+        parser.error(f"--readme {readme}: has no <!-- bench-tiny:start --> / <!-- bench-tiny:end --> markers to "
+                     "write between; add them where the section goes")
+
+
+def training_preflight(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Settings, str | None]:
+    """Everything a training run can be refused for, found before it trains (hours in the full mode): settings,
+    the corpus, the device, where results go. Returns the settings and the corpus text (None: this Python's)."""
     try:
         text = None if args.corpus_file is None else read_corpus_file(args.corpus_file)
     except ValueError as error:
@@ -719,16 +815,34 @@ def main(argv: list[str] | None = None) -> int:
     problem = settings_problem(settings, args)
     if problem:
         parser.error(problem)
-    started = time.time()
-    out.mkdir(parents=True, exist_ok=True)
-    schemes = tuple(args.schemes or [r for r in runs if r in QUICK_RUNS or not args.quick])
-    command = "python scripts/bench_tiny.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    results = run(settings, schemes, tuple(args.scalings), lambda line: print(line, flush=True),
-                  out / "partial.json", args.device, args.jobs, args.probe_every, text, command)
-    results["seconds"] = time.time() - started
-    print(report(results, out, args.readme))
-    print(f"\n{results['seconds']:.0f} s; wrote {out}/results.json, results.md, bench_tiny.png")
-    return 0
+    if args.scalings and args.schemes and "rope" not in args.schemes:
+        parser.error(f"--scalings {' '.join(args.scalings)}: the scalings extend the trained RoPE run; add rope to "
+                     "--schemes, or leave --scalings empty")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as error:
+        parser.error(f"--device {args.device}: {error}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device here; use --device cpu")
+    _, heldout = corpus_split(byte_tokenizer(), text)
+    needed = max(settings.factors) * settings.length
+    if heldout.numel() < needed:
+        longest = heldout.numel() // max(settings.factors)
+        parser.error(f"--length {settings.length}: the held-out text ({heldout.numel():,} tokens) holds no window "
+                     f"of {max(settings.factors)}x L = {needed:,} tokens; choose --length {longest} or less")
+    out = Path(args.output_dir)
+    earlier = [name for name in ("partial.json", "results.json") if (out / name).exists()]
+    if earlier and not args.overwrite_output_dir:
+        parser.error(f"--output-dir {out}: holds an earlier run's {' and '.join(earlier)}; choose another "
+                     "--output-dir, or pass --overwrite-output-dir to replace them")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        parser.error(f"--output-dir {out}: cannot make it ({error})")
+    if not out.is_dir():
+        parser.error(f"--output-dir {out}: is not a directory")
+    check_writable_readme(args.readme, parser)
+    return settings, text
 
 
 if __name__ == "__main__":

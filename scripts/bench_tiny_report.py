@@ -5,7 +5,9 @@ runs made on another machine; it imports nothing from ``bench_tiny.py``.
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -13,13 +15,38 @@ from types import SimpleNamespace
 
 from readme_section import replace_section
 
+from hf_posswap.persistence.saving import write_file_atomic
+
 SCALED_ROWS = ("(zero-shot)", "(fine-tuned)")  # how the rows of the RoPE scalings end
 
 
 def _cell(values: list[float], fmt: str) -> str:
+    """One table cell: the value, or mean ± std over seeds; a value that is not finite (a diverged run) shows as
+    such and is never averaged into a number."""
+    if not values or not all(math.isfinite(value) for value in values):
+        return "not finite ✗"
     if len(values) == 1:
         return format(values[0], fmt)
     return f"{format(statistics.mean(values), fmt)} ± {format(statistics.stdev(values), fmt)}"
+
+
+def load_parts(paths: list[Path]) -> list[dict]:
+    """Results files for ``--report``, each checked for what the report reads; raises SystemExit with one line
+    naming the file and what is wrong with it."""
+    parts = []
+    for path in paths:
+        try:
+            part = json.loads(path.read_bytes().decode("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as error:
+            raise SystemExit(f"--report {path}: cannot read it as bench_tiny results ({error})") from None
+        if not isinstance(part, dict) or not isinstance(part.get("settings"), dict) or not isinstance(
+                part.get("runs"), dict):
+            raise SystemExit(f"--report {path}: not bench_tiny results (no 'settings' and 'runs')")
+        empty = [label for label, rows in part["runs"].items() if not isinstance(rows, list) or not rows]
+        if empty:
+            raise SystemExit(f"--report {path}: run {empty[0]!r} has no rows")
+        parts.append(part)
+    return parts
 
 
 def markdown(results: dict) -> str:
@@ -68,7 +95,7 @@ def markdown(results: dict) -> str:
         cells += [_cell([_get(r["windows"], f) for r in rows], ".2f") for f in factors]
         cells += [_cell([_get(r["tail"], f) for r in rows], ".2f") for f in factors if f > 1]
         cells += [_cell([100 * _get(r["passkey"], f) for r in rows], ".0f") + " %" for f in factors]
-        flag = " ⚠" if statistics.mean(_get(r["passkey"], 1) for r in rows) < 0.9 else ""
+        flag = "" if statistics.mean(_get(r["passkey"], 1) for r in rows) >= 0.9 else " ⚠"  # NaN: flagged
         lines.append(f"| {label}{flag} | " + " | ".join(cells) + " |")
     lines += ["", "⚠ = passkey accuracy at 1x below 90 %: the model has not learned retrieval in distribution, so its "
               "retrieval past L says little."]
@@ -99,6 +126,8 @@ def plot(results: dict, path: Path) -> Path:
         lengths = [f * settings["length"] for f in factors]
         ppl = [statistics.mean(_get(r["windows"], f) for r in rows) for f in factors]
         keys = [statistics.mean(_get(r["passkey"], f) for r in rows) for f in factors]
+        if not all(math.isfinite(value) for value in ppl + keys):  # a diverged run: in the table, not drawn
+            continue
         left.plot(lengths, ppl, style, marker="o", label=label)
         right.plot(lengths, keys, style, marker="o", label=label)
     for axis in (left, right):
@@ -111,64 +140,101 @@ def plot(results: dict, path: Path) -> Path:
     right.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    picture = io.BytesIO()
+    figure.savefig(picture, format="png", dpi=110)
     plt.close(figure)
+    write_file_atomic(path, picture.getvalue())
     return path
 
 
 def merge(parts: list[dict], defaults: dict) -> dict:
     """Results of the same settings run for different seeds or runs (each (run, seed) is trained from its own seed,
-    so the parts are what one run over all of them gives): rows concatenated per run, in seed order, runs in the
-    order the parts first name them (RoPE scalings last); a (run, seed) found in two parts is refused.
-    ``defaults``: every setting at its default, for results written before a setting existed."""
-    parts = [{**part, "settings": _with_defaults(part["settings"], defaults)} for part in parts]
-    if len(parts) == 1:
-        return parts[0]
+    so the parts are what one run over all of them gives): rows gathered per run in seed order, runs in the order
+    the parts first name them (RoPE scalings last); a (run, seed) found twice is refused. Each row carries its
+    seed (rows written before rows carried it get their part's seeds, in order). ``defaults``: every setting at its
+    default, for results written before a setting existed."""
+    parts = [{**part, "settings": _with_defaults(part["settings"], defaults),
+              "runs": {label: _seeded(label, rows, part["settings"]["seeds"]) for label, rows in part["runs"].items()}}
+             for part in parts]
     _require_one_corpus(parts)
     first = {k: v for k, v in parts[0]["settings"].items() if k != "seeds"}
     for part in parts[1:]:
         other = {k: v for k, v in part["settings"].items() if k != "seeds"}
-        if other != first:
-            raise SystemExit(f"--report: the results differ in settings other than seeds: {first} vs {other}")
-    order = sorted(range(len(parts)), key=lambda i: min(parts[i]["settings"]["seeds"]))
-    merged = {**parts[order[0]], "settings": {**parts[0]["settings"], "seeds": []}, "runs": {}}
-    seen: dict[str, set] = {}
-    for index in order:
-        seeds = set(parts[index]["settings"]["seeds"])
-        merged["settings"]["seeds"] += sorted(seeds - set(merged["settings"]["seeds"]))
-        for label, rows in parts[index]["runs"].items():
-            twice = seen.setdefault(label, set()) & seeds
+        differ = sorted(key for key in {*first, *other} if first.get(key) != other.get(key))
+        if differ:
+            raise SystemExit("--report: the results differ in settings other than seeds: " + "; ".join(
+                f"{key} {first.get(key)!r} against {other.get(key)!r}" for key in differ))
+    runs: dict[str, list[dict]] = {}
+    for part in parts:
+        for label, rows in part["runs"].items():
+            found = runs.setdefault(label, [])
+            twice = {row["seed"] for row in found} & {row["seed"] for row in rows}
             if twice:
                 raise SystemExit(f"--report: run {label!r} seed {min(twice)} is in two of the results; pass each "
                                  "(run, seed) once")
-            seen[label] |= seeds
-            merged["runs"].setdefault(label, []).extend(rows)
-    merged["settings"]["seeds"].sort()
-    labels = list(dict.fromkeys(label for part in parts for label in part["runs"]))  # the order they were given in
+            found.extend(rows)
+    labels = list(runs)  # the order they were given in
     scaled = [label for label in labels if label.endswith(SCALED_ROWS)]  # after every trained run, as bench_tiny does
-    merged["runs"] = {label: merged["runs"][label] for label in [*(x for x in labels if x not in scaled), *scaled]}
-    merged["seconds"] = sum(part.get("seconds", 0.0) for part in parts)
-    merged["command"] = " and ".join(f"`{parts[i].get('command', '?')}`" for i in order).strip("`")
+    order = sorted(range(len(parts)), key=lambda i: min(parts[i]["settings"]["seeds"], default=0))
+    merged = {**parts[order[0]], "settings": {**parts[0]["settings"]}, "runs": {
+        label: sorted(runs[label], key=lambda row: row["seed"]) for label in [
+            *(x for x in labels if x not in scaled), *scaled]}}
+    merged["settings"]["seeds"] = sorted({row["seed"] for rows in runs.values() for row in rows})
+    if len(parts) > 1:
+        merged["seconds"] = sum(part.get("seconds", 0.0) for part in parts)
+        merged["command"] = " and ".join(f"`{parts[i].get('command', '?')}`" for i in order).strip("`")
     return merged
+
+
+def _seeded(label: str, rows: list[dict], seeds: list[int]) -> list[dict]:
+    """``rows`` with their seed: their own, or (rows written before they carried it) the part's seeds in order,
+    which is how bench_tiny wrote them; refused when that cannot tell."""
+    if all("seed" in row for row in rows):
+        seen = [row["seed"] for row in rows]
+        if len(set(seen)) != len(seen):
+            raise SystemExit(f"--report: run {label!r} has two rows of one seed ({seen}); pass each (run, seed) once")
+        return rows
+    if len(rows) != len(seeds):
+        raise SystemExit(f"--report: run {label!r} has {len(rows)} rows for seeds {seeds} and no seed in them "
+                         "(results written before rows carried their seed, with a seed missing); which row is which "
+                         "seed cannot be told")
+    return [{**row, "seed": seed} for row, seed in zip(rows, seeds, strict=True)]
 
 
 def _require_one_corpus(parts: list[dict]) -> None:
     """Refuse parts measured on different text: the corpus is Python's pydoc topics, which differ between Python
-    versions (a seed run under 3.11 read 4.07 perplexity where the same setting gave 4.68-4.92 under 3.12). Parts
-    written before the fingerprint existed are compared by their Python version."""
+    versions (a seed run under 3.11 read 4.07 perplexity where the same setting gave 4.68-4.92 under 3.12), unless
+    a run read another Python's topics with ``--corpus-file``. Results carry a fingerprint of the text read;
+    results written before the fingerprint existed read their own Python's topics, known here only if that is
+    this Python (otherwise only such results of the same Python merge with each other)."""
     def corpus(part: dict) -> str:
-        python = part.get("versions", {}).get("python", "?")
-        return part.get("corpus") or "Python " + ".".join(python.split(".")[:2])
+        if part.get("corpus"):
+            return part["corpus"]
+        python = ".".join(part.get("versions", {}).get("python", "?").split(".")[:2])
+        return _this_pythons_fingerprint() if python == _this_python() else f"Python {python}'s topics"
 
     found = {corpus(part) for part in parts}
-    fingerprints = {part["corpus"] for part in parts if part.get("corpus")}
-    pythons = {corpus({"versions": part.get("versions", {})}) for part in parts}
-    if len(fingerprints) > 1 or (len(found) > 1 and len(pythons) > 1):
+    if len(found) > 1:
         raise SystemExit(
-            f"--report: the results were measured on different corpora ({', '.join(sorted(found))}: pydoc topics "
-            "change with the Python version), so their perplexities are not comparable. Run every seed under the "
-            "same Python, or report them separately."
+            f"--report: the results were measured on different text ({', '.join(sorted(found))}: pydoc topics "
+            "change with the Python version), so their perplexities are not comparable. Run every seed on the same "
+            "text (the same Python, or the same --corpus-file), or report them separately."
         )
+
+
+def _this_python() -> str:
+    import sys
+
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _this_pythons_fingerprint() -> str:
+    """sha256 (16 hex digits) of this Python's topics, as bench_tiny.corpus_fingerprint computes it."""
+    import hashlib
+
+    from hf_posswap.evaluation import corpus_text
+
+    return hashlib.sha256(corpus_text("pydoc").encode("utf-8")).hexdigest()[:16]
 
 
 def _with_defaults(settings: dict, defaults: dict) -> dict:
@@ -186,12 +252,14 @@ def _machine(versions: dict) -> str:
 
 
 def report(results: dict, out: Path, readme: Path | None) -> str:
-    """Write results.json / results.md / bench_tiny.png under ``out``; refresh the README section if asked."""
+    """Write results.json / results.md / bench_tiny.png under ``out`` (each atomically); refresh the README section
+    if asked."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
-    results = json.loads((out / "results.json").read_text(encoding="utf-8"))  # one form: keys are strings
+    text = json.dumps(results, indent=2)
+    write_file_atomic(out / "results.json", text)
+    results = json.loads(text)  # one form: keys are strings
     table = markdown(results)
-    (out / "results.md").write_text(table + "\n", encoding="utf-8")
+    write_file_atomic(out / "results.md", table + "\n")
     plot(results, out / "bench_tiny.png")
     if readme is not None:
         plot(results, readme.resolve().parent / "scripts" / "results" / "bench_tiny.png")
@@ -205,44 +273,42 @@ def report(results: dict, out: Path, readme: Path | None) -> str:
 
 
 def write_split(results: dict, directory: Path, order: tuple[str, ...]) -> list[Path]:
-    """One results file per (run, seed) of ``results`` in ``directory``, as the full mode run in parts writes them:
-    ``NN_<run>_seed<S>.json``, NN the run's place in ``order`` (bench_tiny's RUNS; options after ":" aside), so
-    that a glob keeps the full mode's order; a seed's RoPE scaling rows go with its RoPE run. Refuses to replace a
-    file, and rows whose seed it cannot tell (results written before rows carried it, with a seed missing)."""
-    seeds = results["settings"]["seeds"]
-
-    def seed_of(label: str, index: int, rows: list[dict]) -> int:
-        if "seed" in rows[index]:
-            return rows[index]["seed"]
-        if len(rows) != len(seeds):
-            raise SystemExit(f"--split: run {label!r} has {len(rows)} rows for seeds {seeds} and no seed in them "
-                             "(results written before rows carried their seed); split it by hand")
-        return seeds[index]
-
+    """One results file per (run, seed) of ``results`` (as :func:`merge` returns them: every row with its seed) in
+    ``directory``, as the full mode run in parts writes them: ``NN_<run>_seed<S>.json``, NN the run's place in
+    ``order`` (bench_tiny's RUNS; options after ":" aside), so that a glob keeps the full mode's order; a seed's
+    RoPE scaling rows go with its RoPE run. Refuses, before writing anything, what would lose or mislabel a row:
+    an existing file, a run outside ``order``, scaling rows of a seed with no RoPE row, nothing to split."""
+    trained = {label: rows for label, rows in results["runs"].items() if not label.endswith(SCALED_ROWS)}
+    scaled = {label: rows for label, rows in results["runs"].items() if label.endswith(SCALED_ROWS)}
+    unknown = [label for label in trained if label.partition(":")[0] not in order]
+    if unknown:
+        raise SystemExit(f"--split: run {unknown[0]!r} is not one of bench_tiny's runs ({', '.join(order)})")
+    rope_seeds = {row["seed"] for row in trained.get("rope", [])}
+    orphans = sorted({row["seed"] for rows in scaled.values() for row in rows} - rope_seeds)
+    if orphans:
+        raise SystemExit(f"--split: RoPE scaling rows of seed {orphans[0]} have no RoPE row to go with; split "
+                         "results that hold the RoPE run of every seed they scale")
+    if not trained:
+        raise SystemExit("--split: the results hold no runs; nothing to split")
     parts: dict[Path, dict] = {}
-    for label, rows in results["runs"].items():
-        if label.endswith(SCALED_ROWS):
-            continue
-        for index in range(len(rows)):
-            seed = seed_of(label, index, rows)
-            part_runs = {label: [rows[index]]}
+    for label, rows in trained.items():
+        for row in rows:
+            part_runs = {label: [row]}
             if label == "rope":
-                for scaled, scaled_rows in results["runs"].items():
-                    mine = [r for i, r in enumerate(scaled_rows) if seed_of(scaled, i, scaled_rows) == seed]
-                    if scaled.endswith(SCALED_ROWS) and mine:
-                        part_runs[scaled] = mine
+                part_runs.update({name: [r for r in found if r["seed"] == row["seed"]] for name, found in scaled.items()
+                                  if any(r["seed"] == row["seed"] for r in found)})
             slug = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
-            place = order.index(label.partition(":")[0]) + 1
-            path = directory / f"{place:02d}_{slug}_seed{seed}.json"
-            seconds = sum(row.get("seconds", 0.0) for found in part_runs.values() for row in found)
-            parts[path] = {**results, "settings": {**results["settings"], "seeds": [seed]}, "runs": part_runs,
+            path = directory / f"{order.index(label.partition(':')[0]) + 1:02d}_{slug}_seed{row['seed']}.json"
+            seconds = sum(found.get("seconds", 0.0) for runs in part_runs.values() for found in runs)
+            parts[path] = {**results, "settings": {**results["settings"], "seeds": [row["seed"]]}, "runs": part_runs,
                            "seconds": seconds}
     existing = [str(path) for path in parts if path.exists()]
     if existing:
         raise SystemExit(f"--split: {', '.join(existing)} already exist; remove them or split into another directory")
-    directory.mkdir(parents=True, exist_ok=True)
-    for path, part in parts.items():
-        temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_text(json.dumps(part, indent=2), encoding="utf-8")
-        temporary.replace(path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for path, part in parts.items():
+            write_file_atomic(path, json.dumps(part, indent=2))
+    except OSError as error:
+        raise SystemExit(f"--split {directory}: cannot write there ({error})") from None
     return list(parts)

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -107,30 +109,47 @@ class Distilled(torch.nn.Module):
 
 
 def claim_work_dir(work: Path, settings: Settings) -> None:
-    """Mark ``work`` as holding runs of ``settings``; refuse (one line) one that holds runs of other settings, whose
-    RoPE model and variants would otherwise be reused as if they were these (a --quick run's, say)."""
+    """Mark ``work`` as holding runs of ``settings`` on this Python's text; refuse (one line) one that holds runs of
+    other settings or text, whose RoPE model and variants would otherwise be reused as if they were these (a
+    --quick run's, say)."""
     marker = work / "settings.json"
-    wanted = json.dumps(dataclasses.asdict(settings), indent=2, sort_keys=True) + "\n"
-    if marker.exists() and marker.read_text(encoding="utf-8") != wanted:
-        raise SystemExit(f"recipe_convert_tiny: --work-dir {work} holds runs made with other settings "
+    wanted = json.dumps({"settings": dataclasses.asdict(settings), "corpus": bench_tiny.corpus_fingerprint()},
+                        indent=2, sort_keys=True) + "\n"
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        found = marker.read_bytes().decode("utf-8") if marker.exists() else None
+    except (OSError, UnicodeDecodeError) as error:
+        raise SystemExit(f"recipe_convert_tiny: --work-dir {work}: cannot use it ({error})") from None
+    if found is not None and found != wanted:
+        raise SystemExit(f"recipe_convert_tiny: --work-dir {work} holds runs made with other settings or text "
                          f"({marker}); choose another --work-dir, or remove that one to start again")
-    work.mkdir(parents=True, exist_ok=True)
     write_file_atomic(marker, wanted)
 
 
-def read_done(path: Path) -> dict | None:
-    """A finished step's record, or None if it is missing or unreadable (a run killed while writing: redo it)."""
+def read_done(path: Path, needs: tuple[str, ...] = ("windows", "passkey")) -> dict | None:
+    """A finished step's record, or None if it is missing, unreadable or not such a record (a run killed while
+    writing, a file put there by hand: redo it)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        record = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) and all(key in record for key in needs) else None
+
+
+def loads_state(path: Path) -> bool:
+    """Whether ``path`` holds weights torch can read (a truncated file does not)."""
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 -- any failure to read means: train again
+        return False
+    return True
 
 
 def rope_model(settings: Settings, work: Path, device: str) -> tuple[Path, dict]:
     """Train the RoPE model as bench_tiny does (or reuse the one in ``work``): its weights and its measurement."""
     state, row_path = work / f"rope-seed{settings.seed}.pt", work / f"rope-seed{settings.seed}.json"
     row = read_done(row_path)
-    if state.exists() and row is not None:  # the record is written after the weights
+    if row is not None and state.exists() and loads_state(state):  # the record is written after the weights
         return state, row
     row = bench_tiny.train_and_measure(settings.model, bench_tiny.Task("rope", settings.seed), device,
                                        settings.curve_every * 4, work)  # writes rope-seed<S>.pt
@@ -234,9 +253,10 @@ def plot(results: dict, path: Path) -> None:
         axis.grid(True, alpha=0.3)
     right.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    picture = io.BytesIO()
+    figure.savefig(picture, format="png", dpi=110)
     plt.close(figure)
+    write_file_atomic(path, picture.getvalue())
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -252,23 +272,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_outputs(args: argparse.Namespace, work: Path, results_path: Path) -> None:
+    """Refuse, before any training, what would fail or overwrite something at the end: the variants given twice, a
+    results path that is a directory, one of the work directory's records or cannot be made, a README without the
+    section's markers."""
+    if args.variants and len(set(args.variants)) != len(args.variants):
+        raise SystemExit(f"recipe_convert_tiny: --variants {' '.join(args.variants)}: a variant is given twice")
+    records = {"settings.json", *(f"{name}.json" for name in VARIANTS)}
+    record = results_path.resolve().parent == work.resolve() and (
+        results_path.name in records or results_path.name.startswith("rope-seed"))
+    if results_path.is_dir() or record:
+        raise SystemExit(f"recipe_convert_tiny: --results {results_path}: is a directory or one of --work-dir's "
+                         "records of the runs; choose another file")
+    try:
+        results_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SystemExit(f"recipe_convert_tiny: --results {results_path}: cannot write there ({error})") from None
+    if args.readme is not None:
+        try:
+            text = args.readme.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise SystemExit(f"recipe_convert_tiny: --readme {args.readme}: cannot read it ({error})") from None
+        if "<!-- recipe-convert-tiny:start -->" not in text or "<!-- recipe-convert-tiny:end -->" not in text:
+            raise SystemExit(f"recipe_convert_tiny: --readme {args.readme}: has no <!-- recipe-convert-tiny:start/end "
+                             "--> markers to write between")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     settings = QUICK if args.quick else FULL
     work = args.work_dir or ROOT / "outputs" / ("recipe_convert_tiny_quick" if args.quick else "recipe_convert_tiny")
     results_path = args.results or (work / "recipe_convert_tiny.json" if args.quick
                                     else ROOT / "scripts" / "results" / "recipe_convert_tiny.json")
+    check_outputs(args, work, results_path)
     claim_work_dir(work, settings)
     tokenizer = byte_tokenizer()
     data = (tokenizer, *bench_tiny.corpus_split(tokenizer))
     state, native = rope_model(settings, work, args.device)
     results = {"settings": dataclasses.asdict(settings), "native": native, "rows": [],
                "corpus": bench_tiny.corpus_fingerprint(), "threads": torch.get_num_threads(),
-               "command": "python scripts/recipe_convert_tiny.py " + " ".join(argv if argv is not None else
-                                                                             sys.argv[1:])}
+               "command": shlex.join(["python", "scripts/recipe_convert_tiny.py",
+                                      *(argv if argv is not None else sys.argv[1:])])}
     for name in args.variants or list(VARIANTS):
         done = work / f"{name}.json"
-        row = read_done(done) or run_variant(name, settings, state, data, args.device)
+        row = read_done(done, ("windows", "passkey", "before", "curve", "seconds")) or run_variant(
+            name, settings, state, data, args.device)
         write_file_atomic(done, json.dumps(row, indent=2) + "\n")
         results["rows"].append(row)
         print(f"{name}: ppl " + ", ".join(f"{f}x {v:.2f}" for f, v in row["windows"].items()) + "; passkey "
@@ -280,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
     table = markdown(results)
     write_file_atomic(results_path.with_suffix(".md"), table)
     plot(results, results_path.with_suffix(".png"))
-    if args.readme:
+    if args.readme is not None:
         import os
 
         picture = Path(os.path.relpath(results_path.with_suffix(".png"), args.readme.resolve().parent)).as_posix()

@@ -104,3 +104,34 @@ def test_full_settings_follow_protocol_a() -> None:
     full = tiny.FULL.model
     assert dataclasses.replace(full, seeds=tiny.bench_tiny.FULL.seeds) == tiny.bench_tiny.FULL
     assert tiny.FULL.recalibration_steps == full.steps // 5
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--results", "DIR"], "is a directory"), (["--results", "work/none-plain.json"], "records of the runs"),
+    (["--readme", "plain.md"], "markers"), (["--readme", "missing.md"], "cannot read it"),
+    (["--variants", "none-plain", "none-plain"], "given twice"), (["--work-dir", "FILE"], "FILE"),
+], ids=["results-dir", "results-is-a-record", "readme-no-markers", "readme-missing", "variant-twice",
+        "work-dir-is-a-file"])
+def test_refuses_before_training_what_would_fail_or_overwrite_after_it(extra, says, tmp_path, monkeypatch) -> None:
+    """Adversarial findings: each of these failed with a traceback after all the training, or overwrote a record."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "DIR").mkdir()
+    (tmp_path / "FILE").write_text("x", encoding="utf-8")
+    (tmp_path / "plain.md").write_text("# no markers\n", encoding="utf-8")
+    argv = ["--quick", "--work-dir", "work", *extra] if "--work-dir" not in extra else ["--quick", *extra]
+    with pytest.raises(SystemExit, match=says):
+        tiny.main(argv)
+    assert not (tmp_path / "work" / f"rope-seed{tiny.QUICK.seed}.pt").exists()
+
+
+@pytest.mark.slow
+def test_corrupt_records_are_redone_not_trusted(tmp_path: Path) -> None:
+    """A truncated RoPE model (killed while saving) is trained again; a record that is JSON but not a record (a
+    file put there by hand) is redone: both raised before."""
+    work = tmp_path / "work"
+    tiny.main(["--quick", "--work-dir", str(work), "--variants", "none-plain"])
+    state = work / f"rope-seed{tiny.QUICK.seed}.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    (work / "none-plain.json").write_text('{"a": 1}', encoding="utf-8")
+    again = tiny.main(["--quick", "--work-dir", str(work), "--variants", "none-plain"])
+    assert tiny.loads_state(state) and again["rows"][0]["variant"] == "none-plain"
