@@ -37,6 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import hf_posswap as ps
 from hf_posswap.evaluation import BYTE_VOCAB_SIZE, byte_tokenizer, corpus_text, passkey_accuracy, perplexity
 from hf_posswap.evaluation.passkey import passkey_prompt
+from hf_posswap.persistence.saving import write_file_atomic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_tiny_report import load_parts, merge, report, write_split  # noqa: E402
@@ -594,9 +595,7 @@ def run(
                 results["runs"].setdefault(label, []).append(done[(label, seed)])
         results["seconds"] = time.time() - started
         if partial is not None:  # keep what finished if a later run fails or the run is stopped
-            temporary = partial.with_name(f".{partial.name}.tmp")
-            temporary.write_text(json.dumps(results, indent=2), encoding="utf-8")
-            temporary.replace(partial)
+            write_file_atomic(partial, json.dumps(results, indent=2))
 
     def follow_ups(task: Task) -> list[Task]:
         return [Task("rope", task.seed, m) for m in scalings] if task.label == "rope" and task.method is None else []
