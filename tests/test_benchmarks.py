@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_posswap.evaluation import BYTE_VOCAB_SIZE, byte_tokenizer, passkey_prompt
+from hf_posswap.evaluation import BYTE_VOCAB_SIZE, byte_tokenizer, corpus_text, passkey_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -325,7 +325,7 @@ def test_bench_tiny_corpus_file_carries_the_text_to_another_python(tmp_path, mon
     and bad files are refused in one line before training."""
     path = tmp_path / "topics.txt"
     assert bench_tiny.main(["--write-corpus", str(path)]) == 0
-    native = bench_tiny.corpus_text("pydoc")
+    native = corpus_text("pydoc")
     assert bench_tiny.read_corpus_file(path) == native and path.read_bytes() == native.encode("utf-8")
     assert f"corpus {bench_tiny.corpus_fingerprint()}" in capsys.readouterr().out
     other = tmp_path / "other.txt"
