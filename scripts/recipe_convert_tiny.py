@@ -68,6 +68,8 @@ QUICK = Settings(model=bench_tiny.Settings(length=16, hidden=32, heads=2, kv_hea
 class Variant:
     run: str  # a bench_tiny run label: what the RoPE model is swapped to ("rope": no swap, the control)
     distill: bool = False
+    temperature: float | None = None  # distillation's T and w, when not the settings' (the levers of item 2)
+    distill_weight: float | None = None
 
 
 VARIANTS = {
@@ -76,6 +78,9 @@ VARIANTS = {
     "none-distill": Variant("none", distill=True),
     "alibi-plain": Variant("alibi"),
     "alibi-distill": Variant("alibi", distill=True),
+    "alibi-distill-t1": Variant("alibi", distill=True, temperature=1.0),
+    "alibi-distill-t4": Variant("alibi", distill=True, temperature=4.0),
+    "alibi-distill-w09": Variant("alibi", distill=True, distill_weight=0.9),
     "nope-interleaved-plain": Variant("nope-interleaved"),
 }
 
@@ -157,6 +162,12 @@ def rope_model(settings: Settings, work: Path, device: str) -> tuple[Path, dict]
     return state, row
 
 
+def distillation(variant: Variant, settings: Settings) -> tuple[float, float]:
+    """(weight w, temperature T) of ``variant``'s distillation: its own where it sets them, else the settings'."""
+    weight = settings.distill_weight if variant.distill_weight is None else variant.distill_weight
+    return weight, settings.temperature if variant.temperature is None else variant.temperature
+
+
 def run_variant(name: str, settings: Settings, state: Path, data: tuple, device: str) -> dict:
     """Swap, recalibrate at L with probes (passkey, held-out and training perplexity at L), measure at 1x-8x L."""
     tokenizer, train_ids, heldout = data
@@ -173,7 +184,7 @@ def run_variant(name: str, settings: Settings, state: Path, data: tuple, device:
     if variant.distill:
         teacher = bench_tiny.build_model(settings.model, "rope", settings.seed, device)
         teacher.load_state_dict(torch.load(state, map_location=device, weights_only=True))
-        trained = Distilled(model, teacher, settings.distill_weight, settings.temperature)
+        trained = Distilled(model, teacher, *distillation(variant, settings))
     batches = bench_tiny.batches(tokenizer, train_ids, settings.model.length, settings.model.batch,
                                  settings.model.synthetic, settings.seed + 2000, settings.model.passkey_share)
     _, probes, _ = bench_tiny.train(trained, batches, settings.recalibration_steps, settings.recalibration_lr,
@@ -181,6 +192,8 @@ def run_variant(name: str, settings: Settings, state: Path, data: tuple, device:
     row = bench_tiny.measure(model, tokenizer, heldout, settings.model)
     row.update(variant=name, run=variant.run, distill=variant.distill, before=before, curve=curve + probes,
                seconds=round(time.time() - started, 1))
+    if variant.distill:
+        row["distill_weight"], row["temperature"] = distillation(variant, settings)
     return row
 
 
@@ -216,7 +229,8 @@ def markdown(results: dict) -> str:
               f"at L ({settings['recalibration_steps'] / model['steps']:.0%} of the pretraining steps; batch "
               f"{model['batch']}, lr {settings['recalibration_lr']:g}, the same text and synthetic mix); distill = "
               f"(1 - {settings['distill_weight']:g}) LM + {settings['distill_weight']:g} KL at T = "
-              f"{settings['temperature']:g} from the RoPE model. Perplexity on the held-out last 10 % of the topics "
+              f"{settings['temperature']:g} from the RoPE model (-t1, -t4: T = 1, 4; -w09: w = 0.9). "
+              f"Perplexity on the held-out last 10 % of the topics "
               f"(≤ {model['max_windows']} windows a length); passkey: {model['trials']} keys x "
               f"{len(model['depths'])} depths. "
               f"{results['seconds'] / 60:.0f} min on {results['threads']} CPU threads."]

@@ -38,6 +38,32 @@ def test_convert_rope_is_the_control_and_changes_nothing() -> None:
     assert torch.equal(tiny.convert(model, "rope")(input_ids=ids).logits, before)
 
 
+@pytest.mark.parametrize("name, weight, temperature", [
+    ("alibi-distill", 0.5, 2.0), ("alibi-distill-t1", 0.5, 1.0), ("alibi-distill-t4", 0.5, 4.0),
+    ("alibi-distill-w09", 0.9, 2.0)])
+def test_distillation_levers_set_what_their_names_say(name: str, weight: float, temperature: float) -> None:
+    assert tiny.distillation(tiny.VARIANTS[name], tiny.FULL) == (weight, temperature)
+
+
+def test_a_distillation_lever_reaches_the_loss_and_its_record(tmp_path, monkeypatch) -> None:
+    """The variant's own T reaches the Distilled loss that trains it, and the row says which T and w it used."""
+    seen = {}
+
+    class Spy(tiny.Distilled):
+        def __init__(self, student, teacher, weight, temperature):
+            seen.update(weight=weight, temperature=temperature)
+            super().__init__(student, teacher, weight, temperature)
+
+    monkeypatch.setattr(tiny, "Distilled", Spy)
+    settings = tiny.QUICK
+    state, _ = tiny.rope_model(settings, tmp_path, "cpu")
+    tokenizer = tiny.byte_tokenizer()
+    data = (tokenizer, *tiny.bench_tiny.corpus_split(tokenizer))
+    row = tiny.run_variant("alibi-distill-t4", settings, state, data, "cpu")
+    assert seen == {"weight": 0.5, "temperature": 4.0}
+    assert (row["distill_weight"], row["temperature"]) == (0.5, 4.0)
+
+
 def test_distillation_loss_is_hintons_mix_and_trains_the_student_only() -> None:
     """(1 - w) CE + w T^2 KL(softmax(t / T) || softmax(s / T)), averaged over tokens, written out here."""
     student = tiny.bench_tiny.build_model(SETTINGS, "none", 0)
