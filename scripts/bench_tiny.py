@@ -169,7 +169,7 @@ def extend_and_measure(settings: Settings, task: Task, device: str, state_dir: P
     train_ids, heldout = corpus_split(tokenizer, text)
     started = time.time()
     model = build_model(settings, "rope", task.seed, device)
-    model.load_state_dict(torch.load(state_dir / f"rope-seed{task.seed}.pt", map_location=device))
+    model.load_state_dict(torch.load(state_dir / f"rope-seed{task.seed}.pt", map_location=device, weights_only=True))
     extend_rope(model, task.method, settings).eval()
     zero_shot = measure(model, tokenizer, heldout, settings)
     data = batches(tokenizer, train_ids, settings.extend_factor * settings.length, settings.finetune_batch,

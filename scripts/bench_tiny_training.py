@@ -288,15 +288,16 @@ def train(
     while step < plan.total_steps:
         input_ids = next(data).to(device)
         loss = model(input_ids=input_ids, labels=input_ids).loss
-        if not math.isfinite(float(loss.detach())):  # a diverged run never becomes a result
-            raise TrainingDiverged(f"{desc}: the loss is {float(loss.detach())} at step {step + 1}; lower --lr (or "
+        value = float(loss.detach())  # one read of the loss a step (a device sync on a GPU)
+        if not math.isfinite(value):  # a diverged run never becomes a result
+            raise TrainingDiverged(f"{desc}: the loss is {value} at step {step + 1}; lower --lr (or "
                                    "--finetune-lr) or check the run's settings")
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
+        losses.append(value)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
         step += 1
         accuracy = None
