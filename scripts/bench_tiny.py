@@ -293,7 +293,7 @@ def run(
 def settings_problem(settings: Settings, args: argparse.Namespace) -> str | None:
     """What is wrong with the command's numbers, said before hours of training (None: nothing)."""
     counts = {"steps": settings.steps, "finetune-steps": settings.finetune_steps, "length": settings.length,
-              "trials": settings.trials, "batch": settings.batch, "jobs": args.jobs}
+              "trials": settings.trials, "batch": settings.batch, "layers": settings.layers, "jobs": args.jobs}
     for name, value in counts.items():
         if value < 1:
             return f"--{name} {value}: must be at least 1"
@@ -341,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trials", type=int, help="override the passkey keys per length and depth")
     parser.add_argument("--lr", type=float, help="override the training learning rate")
     parser.add_argument("--batch", type=int, help="override the training batch size")
+    parser.add_argument("--layers", type=int, help="override the model's decoder layers (Protocol A: 2 to 4)")
     parser.add_argument("--synthetic", type=float, help="override the share of synthetic (passkey/copy) sequences")
     parser.add_argument("--passkey-share", type=float, help="override the passkey share of the synthetic sequences")
     parser.add_argument("--decay-from", type=float, help="override where the learning rate starts to decay (share)")
@@ -456,8 +457,8 @@ def training_preflight(args: argparse.Namespace, parser: argparse.ArgumentParser
     except ValueError as error:
         parser.error(str(error))
     settings = dataclasses.replace(QUICK if args.quick else FULL)
-    for name in ("steps", "finetune_steps", "length", "trials", "lr", "batch", "synthetic", "passkey_share",
-                 "decay_from", "until_retrieval", "curriculum"):
+    for name in ("steps", "finetune_steps", "length", "trials", "lr", "batch", "layers", "synthetic",
+                 "passkey_share", "decay_from", "until_retrieval", "curriculum"):
         if getattr(args, name) is not None:
             setattr(settings, name, getattr(args, name))
     if args.seeds:

@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
+from bench_tiny_curves import has_curves, ngram_perplexities, plot_curves
 from readme_section import replace_section
 
 from hf_posswap.persistence.saving import write_file_atomic
@@ -251,9 +252,22 @@ def _machine(versions: dict) -> str:
     return f"one {device}, {versions.get('jobs', 1)} runs at a time"
 
 
+def learning_curves(results: dict, path: Path) -> Path | None:
+    """The training probes' curves (runs made with ``--probe-every``; None: no run has them), with the n-gram
+    references when the results read this Python's topics (otherwise the text is not here to fit them on)."""
+    if not has_curves(results):
+        return None
+    references = None
+    if results.get("corpus") == _this_pythons_fingerprint():
+        from hf_posswap.evaluation import corpus_text
+
+        references = ngram_perplexities(corpus_text("pydoc"), results["settings"]["length"])
+    return plot_curves(results, path, references)
+
+
 def report(results: dict, out: Path, readme: Path | None) -> str:
-    """Write results.json / results.md / bench_tiny.png under ``out`` (each atomically); refresh the README section
-    if asked."""
+    """Write results.json / results.md / bench_tiny.png (and learning_curves.png, with training probes) under
+    ``out`` (each atomically); refresh the README section if asked."""
     out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(results, indent=2)
     write_file_atomic(out / "results.json", text)
@@ -261,6 +275,7 @@ def report(results: dict, out: Path, readme: Path | None) -> str:
     table = markdown(results)
     write_file_atomic(out / "results.md", table + "\n")
     plot(results, out / "bench_tiny.png")
+    learning_curves(results, out / "learning_curves.png")
     if readme is not None:
         plot(results, readme.resolve().parent / "scripts" / "results" / "bench_tiny.png")
         section = (

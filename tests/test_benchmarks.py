@@ -209,6 +209,7 @@ def test_bench_tiny_until_retrieval_needs_probes_and_a_larger_maximum(capsys) ->
     (["--length", "8"], "--length 8: must be more than 8"),
     (["--jobs", "0"], "--jobs 0"),
     (["--lr", "-1"], "--lr -1.0"),
+    (["--layers", "0"], "--layers 0: must be at least 1"),
     (["--synthetic", "1.5"], "--synthetic 1.5"),
     (["--decay-from", "1.5"], "--decay-from 1.5"),
     (["--curriculum", "0.9"], "--curriculum 0.9"),
@@ -216,7 +217,7 @@ def test_bench_tiny_until_retrieval_needs_probes_and_a_larger_maximum(capsys) ->
     (["--probe-every", "-5"], "--probe-every -5"),
     (["--seeds", "2", "2"], "a seed is given twice"),
     (["--schemes", "alibi", "alibi"], "a run is given twice"),
-], ids=["steps", "length", "jobs", "lr", "synthetic", "decay-from", "curriculum-late", "curriculum-negative",
+], ids=["steps", "length", "jobs", "lr", "layers", "synthetic", "decay-from", "curriculum-late", "curriculum-negative",
         "probe-every", "seeds", "schemes"])
 def test_bench_tiny_refuses_bad_numbers_before_training(argv: list[str], says: str, capsys) -> None:
     tiny = ["--quick", "--steps", "1", "--length", "16", "--trials", "1", "--scalings", "--schemes", "alibi"]
