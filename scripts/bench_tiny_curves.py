@@ -68,7 +68,7 @@ def plot_curves(results: dict, path: Path, references: dict[int, float] | None) 
     figure, axes = plt.subplots(rows_of_panels, columns, figsize=(4 * columns, 3 * rows_of_panels), squeeze=False,
                                 sharex=True)
     seeds = sorted({row["seed"] for rows in runs.values() for row in rows})
-    drawn = [probe[2] for rows in runs.values() for row in rows for probe in row["probe"] or []]
+    drawn = [probe[2] for rows in runs.values() for row in rows for probe in row.get("probe") or []]
     drawn = [value for value in [*drawn, *(references or {}).values()] if math.isfinite(value) and value > 0]
     limits = (0.9 * min(drawn), 1.1 * max(drawn)) if drawn else (1.0, 10.0)  # one scale: the panels compare
     colors = {seed: plt.cm.tab10(i % 10) for i, seed in enumerate(seeds)}

@@ -71,10 +71,15 @@ def test_the_references_come_with_results_measured_on_this_pythons_topics(tmp_pa
     corpus = bench_tiny_training.corpus_fingerprint()
     bench_tiny_report.learning_curves(results_with({"none": [[1000, 0.0, 13.0, 12.0]]}, corpus), tmp_path / "c.png")
     assert set(drawn["refs"]) == {2, 3} and drawn["refs"][3] < drawn["refs"][2]
+    too_long = results_with({"none": [[1000, 0.0, 13.0, 12.0]]}, corpus)
+    too_long["settings"]["length"] = 10**6  # more than the held-out text holds: curves, no references, no traceback
+    bench_tiny_report.learning_curves(too_long, tmp_path / "c.png")
+    assert drawn["refs"] is None
 
 
 def test_curves_are_drawn_with_a_diverged_run_among_them(tmp_path) -> None:
     results = results_with({"none": [[1000, 0.0, 13.0, 12.0], [2000, 0.25, 9.0, 8.0]],
                             "alibi": [[1000, 0.0, math.nan, math.nan]]})
+    results["runs"]["none"].append({"seed": 1})  # a seed run without --probe-every, merged with one run with it
     path = bench_tiny_curves.plot_curves(results, tmp_path / "curves.png", {2: 13.3, 3: 6.4})
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
