@@ -143,7 +143,7 @@ def train_and_measure(settings: Settings, task: Task, device: str, probe_every: 
 
     probe = make_probe(model, tokenizer, train_ids, heldout, settings.length)
     losses, curve, plan = train(model, data, settings.steps, settings.lr, f"{task.label} seed {task.seed}", probe,
-                                probe_every, settings.decay_from, settings.until_retrieval)
+                                probe_every, settings.decay_from, settings.until_retrieval, settings.weight_decay)
     if task.label == "rope" and state_dir is not None:
         state, kept = state_dir / f".rope-seed{task.seed}.pt.tmp", state_dir / f"rope-seed{task.seed}.pt"
         torch.save({k: v.cpu() for k, v in model.state_dict().items()}, state)
@@ -302,6 +302,8 @@ def settings_problem(settings: Settings, args: argparse.Namespace) -> str | None
                 f"{ANSWER_TOKENS}-token answer must fit in L)")
     if not 0 < settings.lr < float("inf"):
         return f"--lr {settings.lr}: must be a positive number"
+    if not 0 <= settings.weight_decay < float("inf"):
+        return f"--weight-decay {settings.weight_decay}: must be a number >= 0 (e.g. 0.01, the default, or 0.1)"
     for name, value in (("synthetic", settings.synthetic), ("passkey-share", settings.passkey_share)):
         if not 0 <= value <= 1:
             return f"--{name} {value}: must be a share in [0, 1]"
@@ -341,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trials", type=int, help="override the passkey keys per length and depth")
     parser.add_argument("--lr", type=float, help="override the training learning rate")
     parser.add_argument("--batch", type=int, help="override the training batch size")
+    parser.add_argument("--weight-decay", type=float, help="override AdamW's weight decay in training (default 0.01)")
     parser.add_argument("--layers", type=int, help="override the model's decoder layers (Protocol A: 2 to 4)")
     parser.add_argument("--synthetic", type=float, help="override the share of synthetic (passkey/copy) sequences")
     parser.add_argument("--passkey-share", type=float, help="override the passkey share of the synthetic sequences")
@@ -457,7 +460,7 @@ def training_preflight(args: argparse.Namespace, parser: argparse.ArgumentParser
     except ValueError as error:
         parser.error(str(error))
     settings = dataclasses.replace(QUICK if args.quick else FULL)
-    for name in ("steps", "finetune_steps", "length", "trials", "lr", "batch", "layers", "synthetic",
+    for name in ("steps", "finetune_steps", "length", "trials", "lr", "weight_decay", "batch", "layers", "synthetic",
                  "passkey_share", "decay_from", "until_retrieval", "curriculum"):
         if getattr(args, name) is not None:
             setattr(settings, name, getattr(args, name))

@@ -68,11 +68,13 @@ def markdown(results: dict) -> str:
     curriculum = getattr(settings, "curriculum", 0.0)
     if curriculum:
         budget += f", the length growing from L/4 to L over the first {curriculum:.0%} of {settings.steps} steps"
+    weight_decay = getattr(settings, "weight_decay", 0.01)  # results written before it was a setting: 0.01
+    decay = "" if weight_decay == 0.01 else f", weight decay {weight_decay}"
     lines = [
         f"Tiny LLaMA-shaped byte-level decoders ({settings.layers} layers, hidden {settings.hidden}, "
         f"{settings.heads} heads of dim {settings.hidden // settings.heads}, {settings.kv_heads} kv heads) trained "
         "from "
-        f"scratch at L = {L} for {budget} (batch {settings.batch}, lr {settings.lr}) on pydoc topics + "
+        f"scratch at L = {L} for {budget} (batch {settings.batch}, lr {settings.lr}{decay}) on pydoc topics + "
         f"{settings.synthetic:.0%} synthetic sequences ({settings.passkey_share:.0%} of them passkey, the rest "
         f"copy); seeds {', '.join(map(str, settings.seeds))}"
         f"{spread if len(settings.seeds) > 1 else ''}. Perplexity on the held-out last 10 % of the topics "

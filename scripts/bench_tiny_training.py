@@ -38,6 +38,7 @@ class Settings:
     steps: int = 2500
     batch: int = 8
     lr: float = 3e-3
+    weight_decay: float = 0.01  # AdamW's, training from scratch (GPT-3 and LLaMA trained with 0.1)
     # share of sequences that are passkey / copy examples; at docs/benchmarks.md's ~20 % the RoPE model did not learn to
     # copy in 1,600 steps nor retrieve in 2,000; at 60 % ALiBi retrieved by ~2,200 (probes on 2 cores)
     synthetic: float = 0.6
@@ -269,14 +270,14 @@ class Schedule:
 def train(
     model: torch.nn.Module, data: Iterator, steps: int, lr: float, desc: str,
     probe: Callable[[], list[float]] | None = None,
-    probe_every: int = 0, decay_from: float = 0.8, max_steps: int = 0,
+    probe_every: int = 0, decay_from: float = 0.8, max_steps: int = 0, weight_decay: float = 0.01,
 ) -> tuple[list[float], list[list[float]], Schedule]:
     """AdamW on :class:`Schedule` (``max_steps``: train until retrieval, see there). Returns the loss per step,
     every ``probe_every`` steps [step, *probe()] (in-distribution passkey, held-out and training perplexity), and the
     schedule (its ``total_steps`` and ``decay_start`` say what ran)."""
     from tqdm.auto import tqdm
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
     plan = Schedule(steps, decay_from, max_steps)
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.factor)

@@ -210,6 +210,7 @@ def test_bench_tiny_until_retrieval_needs_probes_and_a_larger_maximum(capsys) ->
     (["--jobs", "0"], "--jobs 0"),
     (["--lr", "-1"], "--lr -1.0"),
     (["--layers", "0"], "--layers 0: must be at least 1"),
+    (["--weight-decay", "nan"], "--weight-decay nan: must be a number >= 0"),
     (["--synthetic", "1.5"], "--synthetic 1.5"),
     (["--decay-from", "1.5"], "--decay-from 1.5"),
     (["--curriculum", "0.9"], "--curriculum 0.9"),
@@ -217,7 +218,8 @@ def test_bench_tiny_until_retrieval_needs_probes_and_a_larger_maximum(capsys) ->
     (["--probe-every", "-5"], "--probe-every -5"),
     (["--seeds", "2", "2"], "a seed is given twice"),
     (["--schemes", "alibi", "alibi"], "a run is given twice"),
-], ids=["steps", "length", "jobs", "lr", "layers", "synthetic", "decay-from", "curriculum-late", "curriculum-negative",
+], ids=["steps", "length", "jobs", "lr", "layers", "weight-decay", "synthetic",
+        "decay-from", "curriculum-late", "curriculum-negative",
         "probe-every", "seeds", "schemes"])
 def test_bench_tiny_refuses_bad_numbers_before_training(argv: list[str], says: str, capsys) -> None:
     tiny = ["--quick", "--steps", "1", "--length", "16", "--trials", "1", "--scalings", "--schemes", "alibi"]
@@ -624,3 +626,18 @@ def test_bench_tiny_keeps_an_earlier_runs_results_unless_told(tmp_path, capsys) 
     with pytest.raises(SystemExit) as stopped:
         bench_tiny.main(["--write-corpus", str(precious)])
     assert stopped.value.code == 2 and precious.read_text(encoding="utf-8") == "carried from another Python"
+
+
+def test_bench_tiny_weight_decay_reaches_the_optimizer_and_the_table(tmp_path, monkeypatch) -> None:
+    seen = []
+    adamw = torch.optim.AdamW
+
+    def recording(params, **options):
+        seen.append(options["weight_decay"])
+        return adamw(params, **options)
+
+    monkeypatch.setattr(torch.optim, "AdamW", recording)
+    tiny = ["--quick", "--steps", "2", "--length", "16", "--trials", "1", "--scalings", "--schemes", "alibi",
+            "--weight-decay", "0.2", "--output-dir", str(tmp_path)]
+    assert bench_tiny.main(tiny) == 0
+    assert seen == [0.2] and "lr 0.003, weight decay 0.2)" in (tmp_path / "results.md").read_text(encoding="utf-8")
