@@ -65,8 +65,8 @@ def plot_curves(results: dict, path: Path, references: dict[int, float] | None) 
     runs = {label: rows for label, rows in results["runs"].items() if any(row.get("probe") for row in rows)}
     columns = min(4, len(runs))
     rows_of_panels = -(-len(runs) // columns)
-    figure, axes = plt.subplots(rows_of_panels, columns, figsize=(4 * columns, 3 * rows_of_panels), squeeze=False,
-                                sharex=True)
+    width, height = max(4 * columns, 10), 3 * rows_of_panels + 1  # the legend and title need 10 x 1 inches
+    figure, axes = plt.subplots(rows_of_panels, columns, figsize=(width, height), squeeze=False, sharex=True)
     seeds = sorted({row["seed"] for rows in runs.values() for row in rows})
     drawn = [probe[2] for rows in runs.values() for row in rows for probe in row.get("probe") or []]
     drawn = [value for value in [*drawn, *(references or {}).values()] if math.isfinite(value) and value > 0]
@@ -95,9 +95,11 @@ def plot_curves(results: dict, path: Path, references: dict[int, float] | None) 
     handles = [plt.Line2D([], [], color=colors[seed], label=f"seed {seed}") for seed in seeds]
     handles += [plt.Line2D([], [], color="black", linestyle="-", label="held-out perplexity (left, log)"),
                 plt.Line2D([], [], color="black", linestyle=":", label="passkey at L, training probe (right)")]
-    figure.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
-    figure.suptitle("Training probes against steps; dashed grey: byte n-gram models fitted on the training text")
-    figure.tight_layout(rect=(0, 0.04, 1, 0.97))
+    legend_rows = -(-len(handles) // 5)
+    figure.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), fontsize=8)
+    figure.suptitle("Training probes against steps; dashed grey: byte n-gram models fitted on the training text",
+                    fontsize=10)
+    figure.tight_layout(rect=(0, 0.25 * legend_rows / height, 1, 1 - 0.4 / height))
     picture = io.BytesIO()
     figure.savefig(picture, format="png", dpi=90)
     plt.close(figure)
