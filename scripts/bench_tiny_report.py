@@ -46,8 +46,23 @@ def load_parts(paths: list[Path]) -> list[dict]:
         empty = [label for label, rows in part["runs"].items() if not isinstance(rows, list) or not rows]
         if empty:
             raise SystemExit(f"--report {path}: run {empty[0]!r} has no rows")
+        loose = next((label for label, rows in part["runs"].items() for row in rows if not isinstance(row, dict)), None)
+        if loose is not None:
+            raise SystemExit(f"--report {path}: run {loose!r} has a row that is not an object of measurements")
+        bad = next((label for label, rows in part["runs"].items() for row in rows if not _probes_readable(row)), None)
+        if bad is not None:
+            raise SystemExit(f"--report {path}: run {bad!r} has a row whose 'probe' is not a list of [step, passkey, "
+                             "held-out ppl, training ppl]")
         parts.append(part)
     return parts
+
+
+def _probes_readable(row: dict) -> bool:
+    """A row's training probes (if any) are lists of at least [step, passkey, held-out ppl]."""
+    probes = row.get("probe", [])
+    return isinstance(probes, list) and all(
+        isinstance(probe, list) and len(probe) >= 3
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in probe) for probe in probes)
 
 
 def markdown(results: dict) -> str:

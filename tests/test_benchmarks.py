@@ -542,7 +542,10 @@ def test_bench_tiny_stops_a_diverged_run_and_never_tables_a_nan(capsys) -> None:
 @pytest.mark.parametrize("content, says", [
     (None, "cannot read it"), ("", "cannot read it"), ("[]", "no 'settings' and 'runs'"),
     ("{}", "no 'settings' and 'runs'"), ('{"settings": {"seeds": [0]}, "runs": {"alibi": []}}', "has no rows"),
-], ids=["missing", "empty", "list", "object", "no-rows"])
+    ('{"settings": {"seeds": [0]}, "runs": {"alibi": [{"probe": [[1000, 0.5]]}]}}', "'probe' is not a list"),
+    ('{"settings": {"seeds": [0]}, "runs": {"alibi": [{"probe": "x"}]}}', "'probe' is not a list"),
+    ('{"settings": {"seeds": [0]}, "runs": {"alibi": [3]}}', "a row that is not an object"),
+], ids=["missing", "empty", "list", "object", "no-rows", "short-probe", "probe-text", "row-not-object"])
 def test_bench_tiny_report_refuses_bad_results_in_one_line(content, says, tmp_path) -> None:
     path = tmp_path / "results.json"
     if content is not None:
