@@ -33,9 +33,11 @@ def ngram_perplexities(text: str, length: int, orders: tuple[int, ...] = (2, 3))
     if len(heldout) < PROBE_WINDOWS * length:
         raise ValueError(f"the held-out text ({len(heldout):,} bytes) is shorter than {PROBE_WINDOWS} windows of "
                          f"{length}")
+    # counts[n - 1]: the training text's n-grams, counted once for every order asked
+    counts = [collections.Counter(train[i : i + n] for i in range(len(train) - n + 1))
+              for n in range(1, max(orders) + 1)]
     result = {}
     for order in orders:
-        counts = [collections.Counter(train[i : i + n] for i in range(len(train) - n + 1)) for n in range(1, order + 1)]
         total, scored = 0.0, 0
         for start in range(0, PROBE_WINDOWS * length, length):
             window = heldout[start : start + length]
