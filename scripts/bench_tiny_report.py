@@ -94,10 +94,7 @@ def markdown(results: dict) -> str:
         f"copy); seeds {', '.join(map(str, settings.seeds))}"
         f"{spread if len(settings.seeds) > 1 else ''}. Perplexity on the held-out last 10 % of the topics "
         f"(≤ {settings.max_windows} windows per length); passkey: {settings.trials} keys x depths "
-        f"{', '.join(f'{d:g}' for d in settings.depths)}. RoPE scalings extend the RoPE model to "
-        f"{settings.extend_factor}L = {settings.extend_factor * L}; fine-tuned = {settings.finetune_steps} steps at "
-        f"{settings.extend_factor}L (batch {settings.finetune_batch}, lr {settings.finetune_lr}). `learned` is grown "
-        "by tiling its table (`extend_context(..., method='copy')`) to reach past L.",
+        f"{', '.join(f'{d:g}' for d in settings.depths)}.{_extension_notes(settings, results['runs'])}",
         "",
         "| run | " + " | ".join(f"ppl {f}x" for f in factors) + " | "
         + " | ".join(f"tail ppl {f}x" for f in factors if f > 1) + " | "
@@ -118,6 +115,19 @@ def markdown(results: dict) -> str:
     lines += ["", "⚠ = passkey accuracy at 1x below 90 %: the model has not learned retrieval in distribution, so its "
               "retrieval past L says little."]
     return "\n".join(lines)
+
+
+def _extension_notes(settings: SimpleNamespace, labels) -> str:
+    """How rows past L were made, said only for the runs the table has (RoPE scalings, the learned tables)."""
+    notes = ""
+    if any(label.endswith(SCALED_ROWS) for label in labels):
+        factor = settings.extend_factor
+        notes += (f" RoPE scalings extend the RoPE model to {factor}L = {factor * settings.length}; fine-tuned = "
+                  f"{settings.finetune_steps} steps at {factor}L (batch {settings.finetune_batch}, lr "
+                  f"{settings.finetune_lr}).")
+    if any(label.split(":")[0] in ("learned", "learned+concat") for label in labels):
+        notes += " `learned` is grown by tiling its table (`extend_context(..., method='copy')`) to reach past L."
+    return notes
 
 
 def _get(mapping: dict, factor: int):

@@ -644,3 +644,15 @@ def test_bench_tiny_weight_decay_reaches_the_optimizer_and_the_table(tmp_path, m
             "--weight-decay", "0.2", "--output-dir", str(tmp_path)]
     assert bench_tiny.main(tiny) == 0
     assert seen == [0.2] and "lr 0.003, weight decay 0.2)" in (tmp_path / "results.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("labels, says", [
+    (["none"], []), (["rope", "rope+yarn (zero-shot)"], ["RoPE scalings extend"]),
+    (["learned+concat:share=0.5", "rope+ntk (fine-tuned)"], ["RoPE scalings extend", "tiling its table"]),
+], ids=["no-extension", "scalings", "learned-and-scalings"])
+def test_bench_tiny_caption_explains_only_the_rows_it_has(labels: list, says: list) -> None:
+    row = {"windows": {"1": 4.0}, "tail": {}, "passkey": {"1": 1.0}}
+    table = bench_tiny_report.markdown({"settings": {**DEFAULTS, "factors": [1], "seeds": [0]},
+                                        "runs": {label: [row] for label in labels}})
+    for sentence in ("RoPE scalings extend", "tiling its table"):
+        assert (sentence in table) == (sentence in says), sentence
