@@ -10,6 +10,7 @@ import json
 import math
 import re
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -211,7 +212,33 @@ def merge(parts: list[dict], defaults: dict) -> dict:
     if len(parts) > 1:
         merged["seconds"] = sum(part.get("seconds", 0.0) for part in parts)
         merged["command"] = " and ".join(f"`{parts[i].get('command', '?')}`" for i in order).strip("`")
+        merged["parts"] = [entry for i in order for entry in _provenance(parts[i])]
+        merged["versions"] = _shared(entry.get("versions", {}) for entry in merged["parts"])
     return merged
+
+
+def _provenance(part: dict) -> list[dict]:
+    """Where ``part``'s rows were made: its seeds, command, seconds and versions (torch, Python, device), or the
+    entries it already carries when it is itself a merge; kept so that a merge of runs made on different machines
+    says so instead of naming the first one's machine for all."""
+    if "parts" in part:
+        return part["parts"]
+    return [{"seeds": part["settings"]["seeds"], "runs": list(part["runs"]), "command": part.get("command", "?"),
+             "seconds": part.get("seconds", 0.0), "versions": part.get("versions", {})}]
+
+
+def _origin(results: dict, label: str, seed: int) -> dict:
+    """The command and versions of the part of a merge that made (``label``, ``seed``); {} for unmerged results."""
+    for entry in results.get("parts", []):
+        if seed in entry["seeds"] and label in entry.get("runs", [label]):
+            return {"command": entry["command"], "versions": entry["versions"]}
+    return {}
+
+
+def _shared(versions: Iterable[dict]) -> dict:
+    """The entries every one of ``versions`` has with the same value (what is true of the whole merge)."""
+    versions = list(versions)
+    return {key: value for key, value in versions[0].items() if all(v.get(key) == value for v in versions[1:])}
 
 
 def _seeded(label: str, rows: list[dict], seeds: list[int]) -> list[dict]:
@@ -272,11 +299,25 @@ def _with_defaults(settings: dict, defaults: dict) -> dict:
             **settings}
 
 
+def machines(results: dict) -> str:
+    """Where ``results`` ran, in words: one machine, or each machine of a merge with the seeds it ran."""
+    entries = results.get("parts") or [{"seeds": results["settings"]["seeds"], "versions": results.get("versions", {})}]
+    seeds_by_machine: dict[str, list[int]] = {}
+    for entry in entries:
+        seeds_by_machine.setdefault(_machine(entry["versions"]), []).extend(entry["seeds"])
+    if len(seeds_by_machine) == 1:
+        return next(iter(seeds_by_machine))
+    return " and ".join(f"{machine} (seeds {', '.join(map(str, sorted(set(seeds))))})"
+                        for machine, seeds in seeds_by_machine.items())
+
+
 def _machine(versions: dict) -> str:
     device = versions.get("device", "cpu")
+    torch_version = f", torch {versions['torch']}" if "torch" in versions else ""
     if device == "cpu":
-        return f"{versions['threads']} CPU threads"
-    return f"one {device}, {versions.get('jobs', 1)} runs at a time"
+        threads = versions.get("threads", "?")
+        return f"{threads} CPU thread{'' if threads == 1 else 's'}{torch_version}"
+    return f"one {device}, {versions.get('jobs', 1)} runs at a time{torch_version}"
 
 
 def learning_curves(results: dict, path: Path) -> Path | None:
@@ -309,8 +350,7 @@ def report(results: dict, out: Path, readme: Path | None) -> str:
     if readme is not None:
         plot(results, readme.resolve().parent / "scripts" / "results" / "bench_tiny.png")
         section = (
-            f"`{results['command']}` ({results['seconds'] / 60:.0f} min on {_machine(results['versions'])}, "
-            f"torch {results['versions']['torch']}):\n\n{table}\n\n"
+            f"`{results['command']}` ({results['seconds'] / 60:.0f} min on {machines(results)}):\n\n{table}\n\n"
             "![perplexity and passkey accuracy against length](scripts/results/bench_tiny.png)"
         )
         replace_section(readme, "bench-tiny", section)
@@ -345,8 +385,9 @@ def write_split(results: dict, directory: Path, order: tuple[str, ...]) -> list[
             slug = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
             path = directory / f"{order.index(label.partition(':')[0]) + 1:02d}_{slug}_seed{row['seed']}.json"
             seconds = sum(found.get("seconds", 0.0) for runs in part_runs.values() for found in runs)
-            parts[path] = {**results, "settings": {**results["settings"], "seeds": [row["seed"]]}, "runs": part_runs,
-                           "seconds": seconds}
+            unmerged = {key: value for key, value in results.items() if key != "parts"}
+            parts[path] = {**unmerged, "settings": {**results["settings"], "seeds": [row["seed"]]}, "runs": part_runs,
+                           "seconds": seconds, **_origin(results, label, row["seed"])}
     existing = [str(path) for path in parts if path.exists()]
     if existing:
         raise SystemExit(f"--split: {', '.join(existing)} already exist; remove them or split into another directory")

@@ -273,6 +273,40 @@ def test_bench_tiny_report_merges_other_runs_of_one_seed_and_refuses_repeats() -
         bench_tiny_report.merge([part("fire", 4.0), part("fire", 4.1)], DEFAULTS)
 
 
+def test_bench_tiny_merge_of_two_machines_names_both(tmp_path) -> None:
+    """NoPE's 3-layer seeds 0-2 ran on this CPU and seeds 3-4 on an H100; the merge kept only the first part's
+    versions, so its README line said every seed ran on 1 CPU thread. A merge now keeps each part's command and
+    versions, claims only what every part shares, and a split gives each file its own part's."""
+    def part(label: str, seeds: list[int], versions: dict) -> dict:
+        row = {"windows": {"1": 4.0}, "tail": {}, "passkey": {"1": 1.0}}
+        return {"settings": {**DEFAULTS, "seeds": seeds, "factors": [1]}, "runs": {label: [row] * len(seeds)},
+                "seconds": 60.0, "command": f"{label} {seeds}", "versions": versions}
+
+    cpu = {"torch": "2.13.0+cpu", "python": "3.11.7", "threads": 1, "device": "cpu", "jobs": 1}
+    gpu = {"torch": "2.11.0+cu130", "python": "3.11.7", "threads": 16, "device": "NVIDIA H100", "jobs": 2}
+    merged = bench_tiny_report.merge([part("none", [3, 4], gpu), part("none", [0, 1], cpu)], DEFAULTS)
+    assert merged["versions"] == {"python": "3.11.7"}  # what is true of every seed
+    assert [entry["seeds"] for entry in merged["parts"]] == [[0, 1], [3, 4]]
+    assert bench_tiny_report.machines(merged) == (
+        "1 CPU thread, torch 2.13.0+cpu (seeds 0, 1) and one NVIDIA H100, 2 runs at a time, torch 2.11.0+cu130 "
+        "(seeds 3, 4)")
+    alone = part("none", [0], cpu)
+    assert bench_tiny_report.machines(alone) == "1 CPU thread, torch 2.13.0+cpu"
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bench-tiny:start -->\n<!-- bench-tiny:end -->\n", encoding="utf-8")
+    bench_tiny_report.report(merged, tmp_path / "out", readme)
+    assert "(seeds 0, 1) and one NVIDIA H100" in readme.read_text(encoding="utf-8")
+    again = bench_tiny_report.merge([merged, part("none", [5], cpu)], DEFAULTS)  # a merge merged again
+    assert [entry["seeds"] for entry in again["parts"]] == [[0, 1], [3, 4], [5]]
+    split = bench_tiny_report.merge([part("alibi", [3], gpu), part("t5", [3], cpu)], DEFAULTS)
+    written = bench_tiny_report.write_split(split, tmp_path / "parts", bench_tiny.RUNS)
+    files = {path.name: json.loads(path.read_text(encoding="utf-8")) for path in written}
+    assert files["07_alibi_seed3.json"]["versions"] == gpu and files["08_t5_seed3.json"]["versions"] == cpu
+    assert files["07_alibi_seed3.json"]["command"] == "alibi [3]" and "parts" not in files["08_t5_seed3.json"]
+    remerged = bench_tiny_report.merge(list(files.values()), DEFAULTS)
+    assert len(remerged["parts"]) == 2 and bench_tiny_report.machines(remerged).count("seeds 3") == 2
+
+
 def test_bench_tiny_merges_results_written_before_a_setting_existed() -> None:
     """Seeds 0 and 1 were run before ``decay_from`` became a setting (the code decayed from 0.8 of the steps, the
     default): a later part at the default merges with them, one at another value is refused."""
