@@ -54,8 +54,18 @@ def load_parts(paths: list[Path]) -> list[dict]:
         if bad is not None:
             raise SystemExit(f"--report {path}: run {bad!r} has a row whose 'probe' is not a list of [step, passkey, "
                              "held-out ppl, training ppl]")
+        if "parts" in part and not _provenance_readable(part["parts"]):
+            raise SystemExit(f"--report {path}: its 'parts' is not a list of objects with 'seeds' (a list) and "
+                             "'versions' (an object), as a merge writes it; restore the file from the merge")
         parts.append(part)
     return parts
+
+
+def _provenance_readable(entries: object) -> bool:
+    """A merge's ``parts``: a non-empty list of {seeds: [...], versions: {...}, ...}."""
+    return isinstance(entries, list) and bool(entries) and all(
+        isinstance(entry, dict) and isinstance(entry.get("seeds"), list) and isinstance(entry.get("versions"), dict)
+        for entry in entries)
 
 
 def _probes_readable(row: dict) -> bool:

@@ -579,7 +579,11 @@ def test_bench_tiny_stops_a_diverged_run_and_never_tables_a_nan(capsys) -> None:
     ('{"settings": {"seeds": [0]}, "runs": {"alibi": [{"probe": [[1000, 0.5]]}]}}', "'probe' is not a list"),
     ('{"settings": {"seeds": [0]}, "runs": {"alibi": [{"probe": "x"}]}}', "'probe' is not a list"),
     ('{"settings": {"seeds": [0]}, "runs": {"alibi": [3]}}', "a row that is not an object"),
-], ids=["missing", "empty", "list", "object", "no-rows", "short-probe", "probe-text", "row-not-object"])
+    ('{"settings": {"seeds": [0]}, "runs": {"alibi": [{}]}, "parts": []}', "its 'parts' is not a list"),
+    ('{"settings": {"seeds": [0]}, "runs": {"alibi": [{}]}, "parts": [{"seeds": 0, "versions": {}}]}',
+     "its 'parts' is not a list"),
+], ids=["missing", "empty", "list", "object", "no-rows", "short-probe", "probe-text", "row-not-object",
+        "parts-empty", "parts-seeds-not-list"])
 def test_bench_tiny_report_refuses_bad_results_in_one_line(content, says, tmp_path) -> None:
     path = tmp_path / "results.json"
     if content is not None:
