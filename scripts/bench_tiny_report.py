@@ -241,7 +241,7 @@ def _origin(results: dict, label: str, seed: int) -> dict:
     """The command and versions of the part of a merge that made (``label``, ``seed``); {} for unmerged results."""
     for entry in results.get("parts", []):
         if seed in entry["seeds"] and label in entry.get("runs", [label]):
-            return {"command": entry["command"], "versions": entry["versions"]}
+            return {"command": entry.get("command", "?"), "versions": entry["versions"]}
     return {}
 
 

@@ -305,6 +305,9 @@ def test_bench_tiny_merge_of_two_machines_names_both(tmp_path) -> None:
     assert files["07_alibi_seed3.json"]["command"] == "alibi [3]" and "parts" not in files["08_t5_seed3.json"]
     remerged = bench_tiny_report.merge(list(files.values()), DEFAULTS)
     assert len(remerged["parts"]) == 2 and bench_tiny_report.machines(remerged).count("seeds 3") == 2
+    del split["parts"][0]["command"]  # an entry the loader accepts (seeds and versions) without a command
+    written = bench_tiny_report.write_split(split, tmp_path / "parts2", bench_tiny.RUNS)
+    assert json.loads(written[0].read_text(encoding="utf-8"))["command"] == "?"
 
 
 def test_bench_tiny_merges_results_written_before_a_setting_existed() -> None:
