@@ -13,6 +13,7 @@ briefly at the target length and evaluated again.
     python scripts/bench_tiny.py --device cuda --jobs 16 # full on one GPU, 16 runs at a time (~8 min per seed, H100)
     python scripts/bench_tiny.py --schemes sandwich:dim=32 --seeds 2 --probe-every 1000   # a scheme with options
     python scripts/bench_tiny.py --until-retrieval 20000 --probe-every 1000   # train each run until it retrieves
+    python scripts/bench_tiny.py --until-retrieval 20000 --confirm-retrieval 2 --probe-every 1000  # two probes in a row
     python scripts/bench_tiny.py --report a.json b.json  # redraw table and plot, merging runs of other seeds
     python scripts/bench_tiny.py --quick --readme README.md   # also refresh the README section and its plot
 """
@@ -143,7 +144,8 @@ def train_and_measure(settings: Settings, task: Task, device: str, probe_every: 
 
     probe = make_probe(model, tokenizer, train_ids, heldout, settings.length)
     losses, curve, plan = train(model, data, settings.steps, settings.lr, f"{task.label} seed {task.seed}", probe,
-                                probe_every, settings.decay_from, settings.until_retrieval, settings.weight_decay)
+                                probe_every, settings.decay_from, settings.until_retrieval, settings.weight_decay,
+                                settings.confirm_retrieval)
     if task.label == "rope" and state_dir is not None:
         state, kept = state_dir / f".rope-seed{task.seed}.pt.tmp", state_dir / f"rope-seed{task.seed}.pt"
         torch.save({k: v.cpu() for k, v in model.state_dict().items()}, state)
@@ -324,6 +326,9 @@ def settings_problem(settings: Settings, args: argparse.Namespace) -> str | None
         return (f"--until-retrieval {settings.until_retrieval}: needs a larger maximum than --steps ({settings.steps}) "
                 f"and --probe-every N (the probes decide when retrieval appeared); e.g. --until-retrieval "
                 f"{2 * settings.steps} --probe-every 1000")
+    if settings.confirm_retrieval < 1 or (settings.confirm_retrieval > 1 and not settings.until_retrieval):
+        return (f"--confirm-retrieval {settings.confirm_retrieval}: must be at least 1, and more than 1 only with "
+                "--until-retrieval (it counts the probes in a row that must retrieve before the decay starts)")
     return None
 
 
@@ -351,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--until-retrieval", type=int, metavar="MAX_STEPS",
                         help="keep the learning rate up until a probe retrieves (>= 90 %%; needs --probe-every), then "
                              "decay as usual; stop by MAX_STEPS (> --steps) if it never does")
+    parser.add_argument("--confirm-retrieval", type=int, metavar="N",
+                        help="with --until-retrieval: start the decay only at the N-th probe in a row that retrieves "
+                             "(default 1; a probe is 12 trials, so one can retrieve by luck)")
     parser.add_argument("--curriculum", type=float, metavar="SHARE",
                         help="a length curriculum: train on sequences growing from L/4 to L over this share of the "
                              "steps (0: off, the default)")
@@ -461,7 +469,7 @@ def training_preflight(args: argparse.Namespace, parser: argparse.ArgumentParser
         parser.error(str(error))
     settings = dataclasses.replace(QUICK if args.quick else FULL)
     for name in ("steps", "finetune_steps", "length", "trials", "lr", "weight_decay", "batch", "layers", "synthetic",
-                 "passkey_share", "decay_from", "until_retrieval", "curriculum"):
+                 "passkey_share", "decay_from", "until_retrieval", "confirm_retrieval", "curriculum"):
         if getattr(args, name) is not None:
             setattr(settings, name, getattr(args, name))
     if args.seeds:

@@ -89,7 +89,9 @@ def markdown(results: dict) -> str:
             steps_of[label] = steps_of["rope"]
     varied = any(steps != settings.steps for values in steps_of.values() for steps in values)
     until = getattr(settings, "until_retrieval", 0)
-    budget = (f"{settings.steps} steps, or more until a training probe retrieved (≥ 90 % in distribution; at most "
+    confirm = getattr(settings, "confirm_retrieval", 1)  # results written before it was a setting: 1
+    probes = "a training probe" if confirm == 1 else f"{confirm} training probes in a row"
+    budget = (f"{settings.steps} steps, or more until {probes} retrieved (≥ 90 % in distribution; at most "
               f"{until}, column `steps`)" if until else f"{settings.steps} steps")
     curriculum = getattr(settings, "curriculum", 0.0)
     if curriculum:

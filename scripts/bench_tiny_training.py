@@ -54,6 +54,7 @@ class Settings:
     passkey_share: float = 0.5  # of the synthetic sequences, the share that are passkey examples (the rest: copy)
     decay_from: float = 0.8  # the learning rate decays linearly to 10 % over the steps after this share of them
     until_retrieval: int = 0  # > steps: the stable phase lasts until a probe retrieves, ending by this step (Schedule)
+    confirm_retrieval: int = 1  # with until_retrieval: consecutive probes that must retrieve before the decay starts
     curriculum: float = 0.0  # > 0: the training length ramps from L/4 to L over this share of the steps (LengthRamp)
 
 
@@ -235,18 +236,22 @@ class Schedule:
     """Warm-up over 5 % of ``steps``, a stable phase, then a linear decay to 10 % over the last ``1 - decay_from``
     of them (warmup-stable-decay: retrieval circuits form late, and an early decay delayed them in probes).
 
-    ``max_steps`` > ``steps`` makes the stable phase last until a training probe retrieves (>= 90 %): the decay
-    starts at the first such probe from ``decay_from * steps`` on, or at the latest where it still ends by
-    ``max_steps``; the decay keeps its length. Protocol A asks for "enough steps that in-distribution passkey
-    accuracy is above 90 %", and the step at which retrieval appears varies by scheme and seed (3,000-10,000+)."""
+    ``max_steps`` > ``steps`` makes the stable phase last until training probes retrieve (>= 90 %): the decay
+    starts at the ``confirm``-th probe in a row that does, from ``decay_from * steps`` on, or at the latest where it
+    still ends by ``max_steps``; the decay keeps its length. Protocol A asks for "enough steps that in-distribution
+    passkey accuracy is above 90 %", and the step at which retrieval appears varies by scheme and seed
+    (3,000-10,000+). A probe is few trials (12), so one lucky probe can end the stable phase of a run that has not
+    learned to retrieve; ``confirm`` = 2 asks for a second one."""
 
-    def __init__(self, steps: int, decay_from: float, max_steps: int = 0) -> None:
+    def __init__(self, steps: int, decay_from: float, max_steps: int = 0, confirm: int = 1) -> None:
         self.warmup = max(1, steps // 20)
         self.earliest = int(decay_from * steps)
         self.decay_length = max(1, steps - self.earliest)
         self.adaptive = max_steps > steps
         self.latest = max_steps - self.decay_length if self.adaptive else self.earliest
         self.decay_start: int | None = None if self.adaptive else self.earliest
+        self.confirm = confirm
+        self.retrieving = 0  # probes in a row, up to the last one, that retrieved
 
     @property
     def total_steps(self) -> int:
@@ -262,8 +267,10 @@ class Schedule:
 
     def observe(self, done: int, accuracy: float | None) -> None:
         """After ``done`` steps (and a probe's accuracy, if one ran): start the decay if it is time."""
+        if accuracy is not None:
+            self.retrieving = self.retrieving + 1 if accuracy >= RETRIEVAL_TARGET else 0
         if self.decay_start is None and done >= self.earliest and (
-                done >= self.latest or (accuracy is not None and accuracy >= RETRIEVAL_TARGET)):
+                done >= self.latest or (accuracy is not None and self.retrieving >= self.confirm)):
             self.decay_start = done
 
 
@@ -271,14 +278,15 @@ def train(
     model: torch.nn.Module, data: Iterator, steps: int, lr: float, desc: str,
     probe: Callable[[], list[float]] | None = None,
     probe_every: int = 0, decay_from: float = 0.8, max_steps: int = 0, weight_decay: float = 0.01,
+    confirm: int = 1,
 ) -> tuple[list[float], list[list[float]], Schedule]:
-    """AdamW on :class:`Schedule` (``max_steps``: train until retrieval, see there). Returns the loss per step,
-    every ``probe_every`` steps [step, *probe()] (in-distribution passkey, held-out and training perplexity), and the
-    schedule (its ``total_steps`` and ``decay_start`` say what ran)."""
+    """AdamW on :class:`Schedule` (``max_steps``, ``confirm``: train until retrieval, see there). Returns the loss
+    per step, every ``probe_every`` steps [step, *probe()] (in-distribution passkey, held-out and training
+    perplexity), and the schedule (its ``total_steps`` and ``decay_start`` say what ran)."""
     from tqdm.auto import tqdm
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
-    plan = Schedule(steps, decay_from, max_steps)
+    plan = Schedule(steps, decay_from, max_steps, confirm)
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.factor)
     device = next(model.parameters()).device

@@ -171,6 +171,26 @@ def test_bench_tiny_schedule_fixed_and_until_retrieval() -> None:
     assert never.decay_start == 280 and never.total_steps == 300
 
 
+def test_bench_tiny_until_retrieval_can_ask_for_probes_in_a_row() -> None:
+    plan = bench_tiny.Schedule(100, 0.8, max_steps=300, confirm=2)
+    plan.observe(80, 1.0)  # one lucky probe: the stable phase goes on
+    assert plan.decay_start is None
+    plan.observe(81, None)  # steps without a probe do not break the row
+    plan.observe(90, 0.5)  # a miss starts the count again
+    plan.observe(100, 0.9)
+    assert plan.decay_start is None
+    plan.observe(110, 0.95)
+    assert plan.decay_start == 110 and plan.total_steps == 130
+    early = bench_tiny.Schedule(100, 0.8, max_steps=300, confirm=2)
+    early.observe(70, 1.0)  # a row begun before the nominal decay counts once the stable phase may end
+    early.observe(80, 1.0)
+    assert early.decay_start == 80
+    settings = {**DEFAULTS, "until_retrieval": 300, "confirm_retrieval": 2, "factors": [1], "seeds": [0]}
+    row = {"windows": {"1": 4.0}, "tail": {}, "passkey": {"1": 1.0}}
+    table = bench_tiny_report.markdown({"settings": settings, "runs": {"alibi": [row]}})
+    assert "until 2 training probes in a row retrieved" in table
+
+
 def test_bench_tiny_length_curriculum_grows_from_a_quarter_to_l() -> None:
     ramp = bench_tiny.LengthRamp(256, 100, 0.5)  # 64 -> 256 over 50 batches, in multiples of 8, then 256
     expected = [max(64, int((64 + 192 * step / 50) // 8) * 8) for step in range(50)] + [256] * 10
@@ -197,6 +217,25 @@ def test_bench_tiny_trains_until_retrieval(accuracy: float, steps: int) -> None:
     assert plan.decay_start == steps - 2
 
 
+def test_bench_tiny_trains_on_past_a_probe_that_retrieves_alone() -> None:
+    settings = bench_tiny.Settings(length=16, hidden=32, heads=2, kv_heads=1)
+    model = bench_tiny.build_model(settings, "alibi", 0)
+    data = bench_tiny.batches(bench_tiny.byte_tokenizer(), torch.randint(0, 200, (400,)), 16, 2, 0.0, 0)
+    reads = iter([1.0, 0.0] * 20)  # every other probe retrieves: never two in a row
+    losses, curve, plan = bench_tiny.train(model, data, 10, 1e-3, "t", lambda: [next(reads), 9.0], 2, 0.8, 40,
+                                           confirm=2)
+    assert len(losses) == 40 and plan.decay_start == 38 and [c[1] for c in curve[:3]] == [1.0, 0.0, 1.0]
+
+
+def test_bench_tiny_run_takes_confirm_retrieval_from_its_settings(monkeypatch) -> None:
+    reads = iter([1.0, 0.0] * 10)  # probes at steps 2, 4, 6, ...: one alone would start the decay at step 6
+    monkeypatch.setattr(bench_tiny, "make_probe", lambda *args: lambda: [next(reads), 9.0, 9.0])
+    settings = bench_tiny.Settings(length=32, hidden=32, heads=2, kv_heads=1, steps=4, until_retrieval=12,
+                                   confirm_retrieval=2, factors=(1,), trials=1, max_windows=1, depths=(0.5,))
+    row = bench_tiny.train_and_measure(settings, bench_tiny.Task("alibi", 0), "cpu", 2, None)
+    assert row["steps"] == 12  # never two in a row: the stable phase ran to the maximum
+
+
 def test_bench_tiny_until_retrieval_needs_probes_and_a_larger_maximum(capsys) -> None:
     for argv in (["--until-retrieval", "20000"], ["--until-retrieval", "5000", "--probe-every", "1000"]):
         with pytest.raises(SystemExit) as stopped:
@@ -216,11 +255,13 @@ def test_bench_tiny_until_retrieval_needs_probes_and_a_larger_maximum(capsys) ->
     (["--curriculum", "0.9"], "--curriculum 0.9"),
     (["--curriculum", "-0.1"], "--curriculum -0.1"),
     (["--probe-every", "-5"], "--probe-every -5"),
+    (["--confirm-retrieval", "0"], "--confirm-retrieval 0: must be at least 1"),
+    (["--confirm-retrieval", "2"], "more than 1 only with --until-retrieval"),
     (["--seeds", "2", "2"], "a seed is given twice"),
     (["--schemes", "alibi", "alibi"], "a run is given twice"),
 ], ids=["steps", "length", "jobs", "lr", "layers", "weight-decay", "synthetic",
         "decay-from", "curriculum-late", "curriculum-negative",
-        "probe-every", "seeds", "schemes"])
+        "probe-every", "confirm-retrieval-zero", "confirm-retrieval-alone", "seeds", "schemes"])
 def test_bench_tiny_refuses_bad_numbers_before_training(argv: list[str], says: str, capsys) -> None:
     tiny = ["--quick", "--steps", "1", "--length", "16", "--trials", "1", "--scalings", "--schemes", "alibi"]
     with pytest.raises(SystemExit) as stopped:  # a check that misses would train a tiny model, not hang the tests
