@@ -12,6 +12,8 @@ from typing import Any
 
 from torch import nn
 
+from .transformers_internals import attention_implementation, set_attention_implementation
+
 
 class _Missing:
     """"No value was there": one instance that survives ``copy.deepcopy`` and pickling (a copied model's edits
@@ -97,13 +99,13 @@ class SetAttentionImplementation(Edit):
         self.where = ""
 
     def apply(self) -> None:
-        self._old = self.model.config._attn_implementation
+        self._old = attention_implementation(self.model.config)
         self.where = f"attention implementation: {self._old} -> {self.name}"
-        self.model.set_attn_implementation(self.name)
+        set_attention_implementation(self.model, self.name)
 
     def revert(self) -> None:
         if self._old is not None:
-            self.model.set_attn_implementation(self._old)
+            set_attention_implementation(self.model, self._old)
 
 
 class WrapForward(Edit):

@@ -148,7 +148,7 @@ def test_gemma3_rope_swaps_set_the_global_layers_and_keep_the_local_ones() -> No
     assert parameters["full_attention"]["rope_theta"] == 1_000_000.0
     rotary = model.model.rotary_emb
     own_default = type(rotary).compute_default_rope_parameters  # transformers' own local-layer frequencies
-    local_inv_freq, _ = own_default(tiny_config("gemma3_text"), None, "sliding_attention")
+    local_inv_freq, _ = own_default(tiny_config("gemma3_text"), None, layer_type="sliding_attention")
     assert torch.equal(rotary.sliding_attention_inv_freq, local_inv_freq)
     torch.testing.assert_close(logits(model, LONG), logits(vanilla_twin(model), LONG), rtol=0, atol=0)
     assert not torch.allclose(logits(model, LONG), before, atol=1e-4)

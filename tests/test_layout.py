@@ -12,7 +12,8 @@ import hf_posswap
 PACKAGE = Path(hf_posswap.__file__).resolve().parent
 # lowest first; a module may import from its own layer or any lower one
 LAYERS = [
-    {"errors", "registry", "edits", "version", "progress"},
+    {"errors", "registry", "version", "progress", "transformers_internals"},
+    {"edits"},
     {"schemes"},
     {"families"},
     {"core"},

@@ -20,11 +20,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from ..schemes.base import FusedCall
+from ..transformers_internals import (
+    KNOWN_CACHE_KWARGS,
+    check_interfaces,
+    drift_error,
+    register_attention,
+    repeat_kv,
+    sdpa_attention,
+)
 from .context import CONTEXT_KWARG, PositionContext
 from .rotary_cache import rotary_inputs
 from .self_extend import self_extend_attention
@@ -242,6 +247,8 @@ def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], fus
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         context = kwargs.pop(CONTEXT_KWARG, None)
         if context is not None:
+            context.reached_attention = True
+            _refuse_unseen_cache(module, query, key, context)
             context = context.for_layer(module)  # a layer mix: this layer's part
         if _needs_self_extend(module, query, context):
             return self_extend_attention(module, query, key, value, attention_mask, context, **kwargs)
@@ -255,12 +262,21 @@ def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], fus
     return posswap_attention
 
 
+def _refuse_unseen_cache(module: nn.Module, query: torch.Tensor, key: torch.Tensor, context: PositionContext) -> None:
+    """More keys [B, Hkv, kv, D] than queries in a self-attention call of a forward that saw no KV cache: the
+    model keeps a cache the position hook could not find, so every distance would be measured from position 0."""
+    if context.cache is None and key.shape[2] > query.shape[2] and context.is_self_attention(module):
+        raise drift_error(
+            f"an attention layer received {key.shape[2]} keys for {query.shape[2]} queries, so the model used a KV "
+            f"cache that hf_posswap did not find among its arguments (it looks for {' or '.join(KNOWN_CACHE_KWARGS)})."
+        )
+
+
 def register_attention_functions() -> None:
     """Register ``posswap_eager`` / ``posswap_sdpa`` and their mask builders (idempotent)."""
-    AttentionInterface.register(EAGER, _carrier(eager_attention, fused=False))
-    AttentionInterface.register(SDPA, _carrier(sdpa_attention_forward, fused=True))
-    AttentionMaskInterface.register(EAGER, eager_mask)
-    AttentionMaskInterface.register(SDPA, sdpa_mask)
+    check_interfaces()
+    register_attention(EAGER, _carrier(eager_attention, fused=False), mask="eager")
+    register_attention(SDPA, _carrier(sdpa_attention(), fused=True), mask="sdpa")
 
 
 register_attention_functions()

@@ -30,6 +30,16 @@ from torch import nn
 
 from ..errors import IncompatibleAttentionError, InvalidConfigError
 from ..families.base import FamilyAdapter, default_position_ids
+from ..transformers_internals import (
+    CACHE_KWARG,
+    KNOWN_CACHE_KWARGS,
+    attention_implementation,
+    cache_length,
+    drift_error,
+    find_cache,
+    find_cache_in_output,
+    self_attention_layers,
+)
 from .rotary_cache import MARKER, refuse_foreign_rotation, rotates_once
 
 CONTEXT_KWARG = "posswap_context"
@@ -81,6 +91,8 @@ class PositionContext:
     cache: Any = None
     #: a layer mix: ``positions`` is then the mix's module, and :meth:`for_layer` gives each layer its own context
     layers: LayerPlan | None = None
+    #: set by the attention function that reads the context (:class:`ForwardCheck` raises when no call did)
+    reached_attention: bool = False
 
     def for_layer(self, module: nn.Module) -> PositionContext:
         """The context of the layer ``module`` belongs to (a mix), with that layer's part module, kind and settings
@@ -137,12 +149,12 @@ class PositionContext:
         return max(self.query_offset + q_len - kv_len, 0)
 
 
-def _explicit_positions(kwargs: dict[str, Any], query_offset: int) -> torch.Tensor | None:
+def _explicit_positions(kwargs: dict[str, Any], query_offset: int, cache: Any) -> torch.Tensor | None:
     """Position ids the caller passed for a whole unpadded sequence (no cache): attention then uses them instead
     of token indices, so position-skipping training (PoSE) reaches every scheme. With padding or a cache, index
     distances are used (they equal position distances there)."""
     position_ids = kwargs.get("position_ids")
-    if position_ids is None or query_offset != 0 or kwargs.get("past_key_values") is not None:
+    if position_ids is None or query_offset != 0 or cache is not None:
         return None
     mask = kwargs.get("attention_mask")
     if mask is not None and (mask.dim() != 2 or not bool(mask.all())):
@@ -179,12 +191,6 @@ def _parameter_names(forward: Callable[..., Any]) -> tuple[str, ...]:
     return tuple(inspect.signature(forward).parameters)[1:]
 
 
-def _cache_length(cache: Any) -> int:
-    if cache is None or not hasattr(cache, "get_seq_length"):
-        return 0
-    return int(cache.get_seq_length())
-
-
 class PositionHook:
     """Prepares the base model's forward kwargs for a swapped scheme (called by :class:`PositionForward`)."""
 
@@ -213,7 +219,10 @@ class PositionHook:
         self.combine = combine
         self.feeds_attention = feeds_attention
 
-    def __call__(self, base: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+    def __call__(
+        self, base: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple, dict, ForwardCheck]:
+        """The forward's (args, kwargs) with positions prepared, and what to check of its result."""
         kwargs = dict(kwargs)
         if args:  # move positional arguments to keywords so they can be read and replaced
             names = _parameter_names(type(base).forward)
@@ -221,14 +230,15 @@ class PositionHook:
         if self.feeds_attention:
             self._check_attention_implementation(base)
         _check_position_ids(kwargs)
-        cache = kwargs.get("past_key_values")
-        query_offset = _cache_length(cache)
+        cache = find_cache(kwargs, f"{type(base).__name__}.forward")
+        query_offset = cache_length(cache)
         if self.layers is None:
             refuse_foreign_rotation(cache, getattr(base, POSITIONS_ATTR, None), self.kind, self.self_extend)
         else:
             _refuse_foreign_rotation_per_layer(cache, getattr(base, POSITIONS_ATTR, None), self.layers)
         self.adapter.prepare_inputs(base, kwargs, query_offset)
         positions = getattr(base, POSITIONS_ATTR, None)
+        context = None
         if self.adds_absolute and positions is not None:
             self._add_absolute(base, positions, kwargs, query_offset, self.combine, self.adapter)
         if self.feeds_attention:
@@ -240,17 +250,17 @@ class PositionHook:
                 self.layer_shared,
                 self.self_extend,
             )
-            context.row_positions = _explicit_positions(kwargs, query_offset)
+            context.row_positions = _explicit_positions(kwargs, query_offset, cache)
             context.cache = cache
             context.layers = self.layers
             if self.self_extend is not None or (self.layers is not None and self.layers.needs_padded_positions):
                 context.padded_positions = _padded_positions(kwargs.get("attention_mask"))
             kwargs[CONTEXT_KWARG] = context
-        return (), kwargs
+        return (), kwargs, ForwardCheck(cache is not None, _new_tokens(kwargs), context)
 
     def _check_attention_implementation(self, base: nn.Module) -> None:
         """An in-attention scheme would be silently dropped by an attention function that ignores the context."""
-        current = getattr(base.config, "_attn_implementation", None)
+        current = attention_implementation(base.config)
         allowed = sorted(set(self.carriers.values()))
         if self.carriers and current not in allowed:
             suggestion = self.carriers.get(current, allowed[-1])
@@ -291,8 +301,7 @@ class PositionHook:
 def _refuse_foreign_rotation_per_layer(cache: Any, positions: nn.Module | None, plan: LayerPlan) -> None:
     """A mix's check of a cache: a layer whose part needs unrotated keys refuses keys stored rotated in its slot
     (a length-independent RoPE part checks the rotation itself, in :mod:`~hf_posswap.core.rotary_cache`)."""
-    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None) or []
-    for index, layer in enumerate(layers[: len(plan.kinds)]):
+    for index, layer in enumerate(self_attention_layers(cache)[: len(plan.kinds)]):
         marker = getattr(layer, MARKER, None)
         if marker is None or min(marker.count, int(getattr(layer, "get_seq_length", lambda: 0)())) <= 0:
             continue
@@ -300,10 +309,52 @@ def _refuse_foreign_rotation_per_layer(cache: Any, positions: nn.Module | None, 
         if plan.kinds[index] == "rotary" and rotates_once(part, plan.self_extend[index]):
             continue
         raise InvalidConfigError(
-            f"past_key_values holds keys that a model with RoPE inside attention stored rotated (layer {index}), and "
+            f"The KV cache holds keys that a model with RoPE inside attention stored rotated (layer {index}), and "
             f"this model's layer {index} ('{plan.kinds[index]}' part of a layer mix) needs them unrotated. Continue "
-            "the cache with the model that filled it, or start a new one (past_key_values=None)."
+            f"the cache with the model that filled it, or start a new one ({CACHE_KWARG}=None)."
         )
+
+
+def _new_tokens(kwargs: dict[str, Any]) -> int | None:
+    """How many tokens a forward adds (None when neither input_ids nor inputs_embeds say)."""
+    for name in ("input_ids", "inputs_embeds"):
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[1])
+    return None
+
+
+@dataclass(frozen=True)
+class ForwardCheck:
+    """What the position hook assumed about one forward, checked against what the model then did.
+
+    The hook places new tokens after the KV cache it finds among the forward's arguments, and passes the position
+    context to attention through transformers' keyword forwarding. A transformers release that renames the cache
+    argument, or stops forwarding keywords, would break either assumption without an error (wrong logits), so
+    both are checked after every forward: a model that returns a cache holding more tokens than this forward
+    added used a cache the hook did not see, and a context no attention call read was never applied.
+    """
+
+    cache_seen: bool
+    new_tokens: int | None
+    context: PositionContext | None
+
+    def verify(self, outputs: Any) -> None:
+        if self.context is not None and not self.context.reached_attention:
+            raise drift_error(
+                "the swapped model's attention layers never received hf_posswap's position context (transformers "
+                "no longer passes the model's extra keyword arguments down to the attention function), so the "
+                "position scheme was not applied."
+            )
+        if self.cache_seen or self.new_tokens is None:
+            return
+        cache = find_cache_in_output(outputs)
+        if cache is not None and (held := cache_length(cache)) != self.new_tokens:
+            raise drift_error(
+                f"the model continued a KV cache of {held - self.new_tokens} earlier tokens that hf_posswap did not "
+                f"find among its arguments (it looks for {' or '.join(KNOWN_CACHE_KWARGS)}), so the new tokens were "
+                "placed from position 0."
+            )
 
 
 class PositionForward:
@@ -328,8 +379,14 @@ class PositionForward:
         return self.previous if self.previous is not None else type(self.base).forward.__get__(self.base)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.active:
-            args, kwargs = self.hook(self.base, args, kwargs)
+        if not self.active:
+            return self._forward(args, kwargs)
+        args, kwargs, check = self.hook(self.base, args, kwargs)
+        outputs = self._forward(args, kwargs)
+        check.verify(outputs)
+        return outputs
+
+    def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.previous is not None:
             return self.previous(*args, **kwargs)
         return type(self.base).forward(self.base, *args, **kwargs)

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from ..families.base import FAMILY_REGISTRY
+from ..transformers_internals import attention_implementation
 from .mix import describe_layers
 from .native import check_loaded, unwrap_peft
 from .state import swap_state
@@ -72,7 +73,7 @@ def describe(model: nn.Module) -> PositionDescription:
     config = getattr(model, "config", None)
     model_type = getattr(config, "posswap_base_model_type", None) or getattr(config, "model_type", None)
     adapter = FAMILY_REGISTRY.get(model_type) if model_type in FAMILY_REGISTRY else None
-    attn = getattr(config, "_attn_implementation", None)
+    attn = attention_implementation(config)
     state = swap_state(model)
     if state is None:
         native = adapter.describe_native(model) if adapter is not None else "unknown (unsupported family)"

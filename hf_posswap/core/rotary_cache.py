@@ -38,6 +38,14 @@ from torch import nn
 from ..errors import InvalidConfigError
 from ..schemes.kept_rows import same_values
 from ..schemes.rope import apply_rotary
+from ..transformers_internals import (
+    CACHE_KWARG,
+    cache_layer_at,
+    layer_is_sliding,
+    layer_keys,
+    layer_length,
+    self_attention_layers,
+)
 from .rotation import rotate_pairs, rotate_pairs_
 
 #: attribute of a transformers cache layer that records its rotated slots
@@ -264,8 +272,8 @@ def cache_layer(module: nn.Module, key: torch.Tensor, q_len: int, context: Any) 
     length-independent rotation, a layer that is not sliding, and slots indexed by position."""
     if context.cache is None or not rotates_once(context.positions, context.self_extend):
         return None
-    layer = _layer_at(context.cache, getattr(module, "layer_idx", None))
-    if layer is None or getattr(layer, "keys", None) is not key or getattr(layer, "is_sliding", False):
+    layer = cache_layer_at(context.cache, getattr(module, "layer_idx", None))
+    if layer is None or layer_keys(layer) is not key or layer_is_sliding(layer):
         return None
     if key.dim() != 4 or key.shape[2] < context.query_offset + q_len:  # slot index != position
         return None
@@ -302,9 +310,9 @@ def _rotated_prefix(layer: Any, key: torch.Tensor, q_len: int, context: Any) -> 
     if marker.signature != signature:
         theirs, ours = _describe_signature(marker.signature), _describe_signature(signature)
         raise InvalidConfigError(
-            f"past_key_values holds keys that another RoPE (cos/sin at position 1 starting {theirs}) stored "
+            f"The KV cache holds keys that another RoPE (cos/sin at position 1 starting {theirs}) stored "
             f"rotated, and this model rotates with {ours}: continuing the cache would mix two rotations. Continue "
-            "the cache with the model that filled it, or start a new one (past_key_values=None)."
+            f"the cache with the model that filled it, or start a new one ({CACHE_KWARG}=None)."
         )
     return done, marker.reference
 
@@ -357,14 +365,14 @@ def refuse_foreign_rotation(cache: Any, positions: nn.Module | None, kind: str, 
     length-independent RoPE inside attention; that one checks the rotation itself, layer by layer)."""
     if cache is None or (kind == "rotary" and rotates_once(positions, self_extend)):
         return
-    for index, layer in enumerate(_layers(cache)):
+    for index, layer in enumerate(self_attention_layers(cache)):
         marker = getattr(layer, MARKER, None)
-        if marker is not None and min(marker.count, _length(layer)) > 0:
+        if marker is not None and min(marker.count, layer_length(layer)) > 0:
             raise InvalidConfigError(
-                f"past_key_values holds keys that a model with RoPE inside attention stored rotated (layer {index}, "
-                f"{min(marker.count, _length(layer))} positions), and this model's {_needs(kind, self_extend)} needs "
-                "them unrotated. Continue the cache with the model that filled it, or start a new one "
-                "(past_key_values=None)."
+                f"The KV cache holds keys that a model with RoPE inside attention stored rotated (layer {index}, "
+                f"{min(marker.count, layer_length(layer))} positions), and this model's {_needs(kind, self_extend)} "
+                "needs them unrotated. Continue the cache with the model that filled it, or start a new one "
+                f"({CACHE_KWARG}=None)."
             )
 
 
@@ -372,26 +380,6 @@ def _needs(kind: str, self_extend: Any) -> str:
     if kind != "rotary":
         return f"'{kind}' scheme"
     return "two-pass RoPE (Self-Extend, ReRoPE)" if self_extend is not None else "RoPE that changes with the length"
-
-
-def _layers(cache: Any) -> list[Any]:
-    """The self-attention cache layers (an encoder-decoder cache's self-attention part)."""
-    cache = getattr(cache, "self_attention_cache", cache)
-    return list(getattr(cache, "layers", None) or [])
-
-
-def _layer_at(cache: Any, index: int | None) -> Any | None:
-    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None)
-    if layers is None or not isinstance(index, int) or not 0 <= index < len(layers):
-        return None
-    return layers[index]
-
-
-def _length(layer: Any) -> int:
-    try:
-        return int(layer.get_seq_length())
-    except (AttributeError, TypeError):
-        return 0
 
 
 def _describe_signature(signature: tuple[float, ...]) -> str:

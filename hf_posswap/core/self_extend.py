@@ -29,6 +29,7 @@ from torch import nn
 
 from ..schemes.rope import apply_rotary
 from ..schemes.two_pass import TwoPassSettings
+from ..transformers_internals import attention_implementation
 from .context import PositionContext
 
 #: logits (batch x heads x queries x keys) one query chunk holds at once: 2**24 values, 64 MiB in fp32
@@ -68,7 +69,7 @@ def _returns_weights(module: nn.Module, kwargs: dict[str, Any]) -> bool:
     requested = kwargs.get("output_attentions")
     if requested is not None:
         return bool(requested)
-    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    implementation = attention_implementation(getattr(module, "config", None))
     return not (isinstance(implementation, str) and implementation.endswith("sdpa"))
 
 

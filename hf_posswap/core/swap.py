@@ -29,6 +29,7 @@ from ..schemes.base import SCHEME_REGISTRY, ModelSpec, NativeWeightsMissingWarni
 from ..schemes.mix import LayerMix
 from ..schemes.rope import RopeConfig
 from ..schemes.two_pass import SelfExtend
+from ..transformers_internals import attention_implementation
 from .attention import CARRIERS
 from .context import POSITIONS_ATTR, PositionForward, PositionHook
 from .mix import as_layer_mix, layer_plan, mix_on_layers, own_theta_per_layer_type
@@ -206,7 +207,7 @@ def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: 
             where = f"{POSITIONS_ATTR} <- {_short(module)}"
             edits.append(SetAttribute(base, POSITIONS_ATTR, lambda: module, where=where))
     if in_attention:
-        edits.append(SetAttentionImplementation(model, CARRIERS[model.config._attn_implementation]))
+        edits.append(SetAttentionImplementation(model, CARRIERS[attention_implementation(model.config)]))
     hook = PositionHook(
         adapter,
         config.kind,
@@ -242,7 +243,7 @@ def _mix_edits(model: nn.Module, adapter: FamilyAdapter, config: LayerMix, spec:
     return [
         *adapter.removal_edits(model, spec),
         SetAttribute(base, POSITIONS_ATTR, lambda: module, where=where),
-        SetAttentionImplementation(model, CARRIERS[model.config._attn_implementation]),
+        SetAttentionImplementation(model, CARRIERS[attention_implementation(model.config)]),
         WrapForward(
             base,
             lambda previous: PositionForward(base, hook, previous),
@@ -268,7 +269,7 @@ def _short(module: nn.Module) -> str:
 
 
 def _check_attention(model: nn.Module, config: SchemeConfig) -> None:
-    current = model.config._attn_implementation
+    current = attention_implementation(model.config)
     if current not in CARRIERS:
         raise IncompatibleAttentionError(
             f"The '{config.name}' scheme works inside attention, and attention implementation '{current}' cannot "

@@ -94,9 +94,9 @@ def is_causal_lm(model: nn.Module) -> bool:
         return True  # not a transformers model: nothing says it is an encoder, trust the caller
     if model_type in FAMILY_REGISTRY:
         return FAMILY_REGISTRY.get(model_type).is_causal(config)
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from ..transformers_internals import causal_lm_class_names
 
-    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or bool(getattr(config, "is_decoder", False))
+    return model_type in causal_lm_class_names() or bool(getattr(config, "is_decoder", False))
 
 
 def check_causal(model: nn.Module) -> None:

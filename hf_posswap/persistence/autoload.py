@@ -28,10 +28,10 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..core.state import MODEL_TYPE_PREFIX, base_model_type, check_record, posswap_config_class  # noqa: F401
 from ..errors import InvalidConfigError
+from ..transformers_internals import config_mapping
 
 AUTO_CLASSES = (
     AutoModel,
@@ -116,7 +116,7 @@ def _publish_model_class(cls: type) -> type:
 def register_auto_classes(model_types: list[str]) -> None:
     """Register the hf_posswap config and model subclasses of each family with transformers' Auto classes."""
     for model_type in model_types:
-        base_config = CONFIG_MAPPING[model_type]
+        base_config = config_mapping()[model_type]
         config_cls = posswap_config_class(base_config)
         AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
         for auto in AUTO_CLASSES:

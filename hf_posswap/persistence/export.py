@@ -22,7 +22,7 @@ from ..errors import InvalidConfigError
 REMOTE_FILE = "modeling_posswap.py"
 #: hf_posswap modules bundled into the remote file, in dependency order
 BUNDLED = (
-    "errors", "registry", "edits", "schemes/base", "schemes/rope_scaling", "schemes/two_pass", "schemes/learned",
+    "errors", "transformers_internals", "registry", "edits", "schemes/base", "schemes/rope_scaling", "schemes/two_pass", "schemes/learned",
     "schemes/sinusoidal", "schemes/nope", "schemes/rope", "schemes/kept_rows", "schemes/fused_alibi", "schemes/alibi",
     "schemes/fused_t5", "schemes/t5",
     "schemes/kerple", "schemes/sandwich", "schemes/fire", "schemes/head_mix", "schemes/mix", "schemes/xpos",
@@ -74,12 +74,11 @@ def export_standalone(
 
 def _write_remote_code(model: nn.Module, staging: Path) -> None:
     """``modeling_posswap.py`` and config.json's ``auto_map`` pointing at its classes."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
+    from ..transformers_internals import config_mapping
     from .autoload import AUTO_CLASSES
 
     family_type = getattr(model.config, "posswap_base_model_type", model.config.model_type)
-    base_config = CONFIG_MAPPING[family_type]
+    base_config = config_mapping()[family_type]
     lines = [bundle_source(), "\n# ---- classes named by config.json's auto_map " + "-" * 40 + "\n"]
     lines.append("import transformers as _transformers\n")
     lines.append(f"PosSwapConfig = posswap_config_class(_transformers.{base_config.__name__})\n")

@@ -64,11 +64,11 @@ class ModelSource:
     def is_causal(self) -> bool:
         """Whether the model predicts the next token (an encoder such as BERT does not)."""
         config = self.base.config if self.base is not None else self.config
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from ..transformers_internals import causal_lm_class_names
 
         if self.model_type == "bert" or self.model_type == "roberta":
             return bool(config.get("is_decoder", False))
-        return self.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        return self.model_type in causal_lm_class_names()
 
 
 def inspect_model_path(value: str | os.PathLike[str], flag: str = "--model") -> ModelSource:
@@ -108,10 +108,10 @@ def inspect_model_path(value: str | os.PathLike[str], flag: str = "--model") -> 
 
 
 def _check_model_type(config: dict[str, Any], path: Path) -> None:
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from ..transformers_internals import config_mapping
 
     model_type = config.get("model_type")
-    known = isinstance(model_type, str) and model_type.removeprefix("hf_posswap_") in CONFIG_MAPPING
+    known = isinstance(model_type, str) and model_type.removeprefix("hf_posswap_") in config_mapping()
     if not known:
         raise CheckpointError(
             f"{str(path)!r} has model_type {model_type!r}, which transformers does not know; restore config.json "
@@ -123,9 +123,10 @@ def _check_config_values(config: dict[str, Any], path: Path) -> None:
     """Build the config class from ``config`` (no weights): a value of the wrong type or an inconsistent pair
     (``"hidden_size": "big"``) is refused here, naming the file, instead of as a traceback while loading."""
     from huggingface_hub.errors import StrictDataclassError
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config_class = CONFIG_MAPPING[str(config["model_type"]).removeprefix("hf_posswap_")]
+    from ..transformers_internals import config_mapping
+
+    config_class = config_mapping()[str(config["model_type"]).removeprefix("hf_posswap_")]
     try:
         config_class.from_dict({key: value for key, value in config.items() if key != "model_type"})
     except (StrictDataclassError, ValueError, TypeError, KeyError) as error:
@@ -250,13 +251,13 @@ def _adapter_task(source: ModelSource, task: str) -> str:
 def _auto_class(source: ModelSource, task: str) -> type:
     """AutoModelForCausalLM for ``causal``; else the Auto class whose model is the saved architecture."""
     from transformers import AutoModelForCausalLM
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    from ..transformers_internals import config_mapping
     from .autoload import AUTO_CLASSES
 
     if task == "causal":
         return AutoModelForCausalLM
-    config_class = CONFIG_MAPPING[source.config["model_type"]]
+    config_class = config_mapping()[source.config["model_type"]]
     architecture = (source.config.get("architectures") or [""])[0].removeprefix("PosSwap")
     for auto in AUTO_CLASSES:
         try:

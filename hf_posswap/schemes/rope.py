@@ -87,10 +87,10 @@ class RotaryEmbedding(RotaryPositions):
         if self.rope_type == "default":
             rotary_dim = rotary_dim_for(self.head_dim, self.rope_parameters.get("partial_rotary_factor", 1.0))
             return default_inv_freq(self.rope_parameters["rope_theta"], rotary_dim).to(device), 1.0
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        from ..transformers_internals import rope_init_functions
 
         view = _RopeConfigView(self.rope_parameters, self.head_dim, self.original_length)
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](view, device, seq_len=seq_len)
+        inv_freq, scaling = rope_init_functions()[self.rope_type](view, device, seq_len=seq_len)
         return inv_freq, float(scaling)
 
     def frequencies(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:

@@ -1,0 +1,263 @@
+"""Every assumption hf_posswap makes about transformers' internals, and the releases it was checked against.
+
+hf_posswap is a plugin: it reaches into transformers through its extension points (the attention and mask
+interfaces), its KV-cache objects and a few helpers. Those are internals, and releases rename them (5.24 renamed
+the cache argument of every model and attention layer from ``past_key_values`` to ``cache``; a plugin that read the
+old name saw no cache and computed wrong logits without a word). So:
+
+- every name, signature and behaviour hf_posswap relies on is looked up here, with the differences between
+  releases handled here and nowhere else: the next rename is a change to this file;
+- :func:`check_interfaces` verifies, once per process, that the functions hf_posswap calls still exist with the
+  parameters it passes; a release that changed one gets a :class:`TransformersDriftError` naming the release, what
+  changed and the newest tested release, never a silent fallback;
+- a release newer than :data:`NEWEST_TESTED` gets one warning naming the tested window (:func:`warn_if_untested`);
+- the position hook checks at run time that it saw the KV cache the model used and that the position context
+  reached attention (:mod:`hf_posswap.core.context`), so drift this file cannot foresee raises too.
+
+``hf-posswap doctor`` (:func:`hf_posswap.self_check`) runs the guarantees end to end in the user's environment.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import transformers
+from packaging.version import Version
+
+from .errors import PosSwapError
+
+#: the oldest and newest transformers releases the test suite passed on (docs/compatibility.md has the table);
+#: pyproject.toml declares the same floor
+OLDEST_TESTED = "5.0.0"
+NEWEST_TESTED = "5.24.0"
+
+RUNNING = Version(Version(transformers.__version__).base_version)  # "5.25.0.dev0" counts as 5.25.0
+
+#: the keyword under which models and attention layers take the KV cache: ``cache`` from 5.24 on (5.24-5.39 still
+#: accept ``past_key_values`` through a deprecation shim), ``past_key_values`` before
+CACHE_KWARG = "cache" if RUNNING >= Version("5.24.0") else "past_key_values"
+#: every name a tested release used for it; a cache passed under any other keyword means the API moved again
+KNOWN_CACHE_KWARGS: tuple[str, ...] = ("cache", "past_key_values")
+
+
+class TransformersDriftError(PosSwapError, RuntimeError):
+    """The installed transformers changed an internal hf_posswap relies on; continuing could compute wrong numbers."""
+
+
+def drift_error(what_changed: str, fix: str = "") -> TransformersDriftError:
+    """An error that names the running release, what changed, the tested window and what to do."""
+    advice = fix or (
+        f"Install a tested release (pip install 'transformers>={OLDEST_TESTED},<={NEWEST_TESTED}'), or report it "
+        "with the output of `hf-posswap doctor`."
+    )
+    return TransformersDriftError(
+        f"transformers {transformers.__version__}: {what_changed} hf_posswap was tested with transformers "
+        f"{OLDEST_TESTED} to {NEWEST_TESTED}. {advice}"
+    )
+
+
+def is_untested_release() -> bool:
+    """Whether the running transformers is outside the tested window."""
+    return not Version(OLDEST_TESTED) <= RUNNING <= Version(NEWEST_TESTED)
+
+
+@functools.cache
+def warn_if_untested() -> None:
+    """Warn once per process when the running transformers is outside the tested window."""
+    if is_untested_release():
+        warnings.warn(
+            f"hf_posswap was tested with transformers {OLDEST_TESTED} to {NEWEST_TESTED}; {transformers.__version__} "
+            "is installed. It checks the internals it uses and raises if one changed, but run `hf-posswap doctor` "
+            "once to check this environment end to end.",
+            UntestedTransformersWarning,
+            stacklevel=3,
+        )
+
+
+class UntestedTransformersWarning(UserWarning):
+    """The installed transformers is outside the window hf_posswap was tested with."""
+
+
+# --- the KV cache -----------------------------------------------------------------------------------------------
+
+
+def cache_class() -> type:
+    """transformers' ``Cache`` base class (every cache a model takes derives from it)."""
+    from transformers.cache_utils import Cache
+
+    return Cache
+
+
+def find_cache(kwargs: dict[str, Any], where: str = "the model's forward") -> Any | None:
+    """The KV cache in a forward's keyword arguments (None when there is none).
+
+    Raises :class:`TransformersDriftError` when a cache arrives under a keyword no tested release used: the cache
+    API moved, and a scheme that cannot see the cache would place every new token at position 0.
+    """
+    for name in KNOWN_CACHE_KWARGS:
+        value = kwargs.get(name)
+        if value is not None:
+            return value
+    cache_type = cache_class()
+    for name, value in kwargs.items():
+        if isinstance(value, cache_type):
+            raise drift_error(
+                f"{where} received its KV cache as '{name}', a keyword hf_posswap does not know (known: "
+                f"{', '.join(KNOWN_CACHE_KWARGS)}), so it cannot tell where new tokens are placed."
+            )
+    return None
+
+
+def find_cache_in_output(outputs: Any) -> Any | None:
+    """The KV cache a model returned (a ``ModelOutput`` field under whatever name, or an element of a tuple)."""
+    cache_type = cache_class()
+    values: Iterable[Any]
+    if isinstance(outputs, dict):  # ModelOutput is an OrderedDict of its non-None fields
+        values = outputs.values()
+    elif isinstance(outputs, tuple):
+        values = outputs
+    else:
+        return None
+    return next((value for value in values if isinstance(value, cache_type)), None)
+
+
+def cache_length(cache: Any) -> int:
+    """How many tokens the cache held before this forward (the first new token's index)."""
+    if cache is None:
+        return 0
+    length = getattr(cache, "get_seq_length", None)
+    if length is None:
+        raise drift_error(
+            f"the KV cache ({type(cache).__name__}) has no get_seq_length(), which hf_posswap reads to place new "
+            "tokens."
+        )
+    return int(length())
+
+
+def self_attention_layers(cache: Any) -> list[Any]:
+    """The per-layer objects of a cache's self-attention part (an encoder-decoder cache's ``self_attention_cache``),
+    each with ``keys`` [B, Hkv, slots, D], ``is_sliding`` and ``get_seq_length()``."""
+    cache = getattr(cache, "self_attention_cache", cache)
+    return list(getattr(cache, "layers", None) or [])
+
+
+def cache_layer_at(cache: Any, index: int | None) -> Any | None:
+    """Layer ``index`` of a cache's self-attention part, or None."""
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None)
+    if layers is None or not isinstance(index, int) or not 0 <= index < len(layers):
+        return None
+    return layers[index]
+
+
+def layer_keys(layer: Any) -> Any | None:
+    """A cache layer's key tensor (None before its first update)."""
+    return getattr(layer, "keys", None)
+
+
+def layer_is_sliding(layer: Any) -> bool:
+    """Whether a cache layer keeps only a window of recent tokens (its slot index is then not the position)."""
+    return bool(getattr(layer, "is_sliding", False))
+
+
+def layer_length(layer: Any) -> int:
+    """Tokens seen by one cache layer (0 when it cannot say)."""
+    try:
+        return int(layer.get_seq_length())
+    except (AttributeError, TypeError):
+        return 0
+
+
+# --- attention functions and masks ------------------------------------------------------------------------------
+
+
+def attention_implementation(config: Any) -> str | None:
+    """The attention implementation a model runs (``config._attn_implementation``)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_attention_implementation(model: Any, name: str) -> None:
+    """Select a registered attention implementation for ``model`` and its submodels."""
+    model.set_attn_implementation(name)
+
+
+def register_attention(name: str, attention: Callable[..., Any], mask: str) -> None:
+    """Register ``attention`` under ``name`` with the mask builder transformers uses for ``mask`` ("eager" or
+    "sdpa"): a custom name gets no mask at all (padding silently ignored) unless one is registered with it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, mask_builder(mask))
+
+
+def mask_builder(name: str) -> Callable[..., Any]:
+    """transformers' mask builder for ``name`` ("eager": float mask; "sdpa": bool mask or None)."""
+    from transformers import masking_utils
+
+    return {"eager": masking_utils.eager_mask, "sdpa": masking_utils.sdpa_mask}[name]
+
+
+def sdpa_attention() -> Callable[..., Any]:
+    """transformers' sdpa attention function: ``(module, q, k, v, mask, dropout=, scaling=, is_causal=, **kw)``
+    returning (output [B, q, H, D], None); it repeats grouped keys itself."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def repeat_kv(hidden: Any, groups: int) -> Any:
+    """[B, Hkv, n, D] -> [B, Hkv * groups, n, D] (grouped-query keys repeated for every query head)."""
+    from transformers.integrations.sdpa_attention import repeat_kv as repeat
+
+    return repeat(hidden, groups)
+
+
+#: parameters hf_posswap passes to the transformers functions it calls (by position up to the first keyword)
+_EXPECTED_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "sdpa_attention_forward": ("module", "query", "key", "value", "attention_mask", "dropout", "scaling"),
+    "repeat_kv": ("hidden_states", "n_rep"),
+}
+
+
+@functools.cache
+def check_interfaces() -> None:
+    """Verify once per process that the transformers functions hf_posswap calls exist and take the parameters it
+    passes (the mask builders it registers are called by transformers itself, with transformers' own arguments)."""
+    from transformers.integrations import sdpa_attention as sdpa_module
+
+    for name, expected in _EXPECTED_PARAMETERS.items():
+        function = getattr(sdpa_module, name, None)
+        if function is None:
+            raise drift_error(f"transformers.integrations.sdpa_attention has no {name}.")
+        parameters = inspect.signature(function).parameters
+        missing = [p for p in expected if p not in parameters]
+        if missing:
+            raise drift_error(f"{name} no longer takes {', '.join(missing)}.")
+
+
+# --- RoPE, weights and the Auto classes -------------------------------------------------------------------------
+
+
+def rope_init_functions() -> dict[str, Callable[..., Any]]:
+    """transformers' ``ROPE_INIT_FUNCTIONS``: rope_type -> fn(config, device, seq_len=) -> (inv_freq, factor)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS
+
+
+def config_mapping() -> Any:
+    """model_type -> config class (``CONFIG_MAPPING``; also where new model types are registered)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING
+
+
+def causal_lm_class_names() -> dict[str, str]:
+    """model_type -> the name of its causal-LM class (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
