@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         UnknownSchemeError,
         UnsupportedFamilyError,
     )
+    from .evaluation.self_check import self_check
     from .families import FamilyAdapter, register_family
     from .persistence.adapters import load_adapter, lora_config, save_adapter, trainable_position_modules
     from .persistence.export import export_standalone
@@ -92,9 +93,10 @@ _EXPORTS = {
     **dict.fromkeys(("load_adapter", "lora_config", "save_adapter", "trainable_position_modules"),
                     "persistence.adapters"),
     "export_standalone": "persistence.export",
+    "self_check": "evaluation.self_check",
     "save_native": "persistence.native_smollm3",
 }
-_ON_FIRST_USE = ("persistence.adapters", "persistence.export", "persistence.native_smollm3")
+_ON_FIRST_USE = ("persistence.adapters", "persistence.export", "persistence.native_smollm3", "evaluation.self_check")
 #: the names pip gives the ``hf-posswap`` console script (POSIX; Windows launcher and its script)
 _CONSOLE_SCRIPTS = ("hf-posswap", "hf-posswap.exe", "hf-posswap-script.py")
 #: the ``-m`` targets that are the command line
@@ -148,6 +150,7 @@ __all__ = [
     "register_scheme",
     "save_adapter",
     "save_native",
+    "self_check",
     "smollm3_nope",
     "supported_families",
     "swap",

@@ -32,6 +32,15 @@ def _schemes(argv: list[str]) -> int:
     return 0
 
 
+def _doctor(argv: list[str]) -> int:
+    PARSERS["doctor"]().parse_args(argv)
+    from ..evaluation.self_check import self_check
+
+    report = self_check()
+    print(report.table())
+    return 0 if report.ok else 1
+
+
 def _wants_help(argv: list[str]) -> bool:
     return any(arg in ("-h", "--help") for arg in argv)
 
@@ -279,6 +288,7 @@ def _plot(argv: list[str]) -> int:
 
 COMMANDS = {
     "demo": _demo,
+    "doctor": _doctor,
     "eval": _eval,
     "export": _export,
     "extend": _extend_command,
@@ -289,9 +299,10 @@ COMMANDS = {
     "swap": _swap_command,
 }
 
-USAGE = """usage: hf-posswap {demo,eval,export,extend,finetune,inspect,plot,schemes,swap} [options]
+USAGE = """usage: hf-posswap {demo,doctor,eval,export,extend,finetune,inspect,plot,schemes,swap} [options]
 
   demo     swap the built-in SmolLM2 checkpoint to several schemes and compare them
+  doctor   check that hf_posswap computes the right numbers with the installed transformers, torch, peft
   eval     perplexity against length and passkey retrieval, as JSON
   swap     swap a checkpoint's position scheme and save it
   extend   extend a checkpoint's context length and save it (--train: and fine-tune it, PoSE + LoRA)

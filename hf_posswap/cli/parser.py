@@ -62,6 +62,13 @@ def schemes_parser() -> OneLineParser:
                          "every scheme's options (--option KEY=VALUE of swap and extend).")
 
 
+def doctor_parser() -> OneLineParser:
+    return OneLineParser(prog="hf-posswap doctor", description="Check hf_posswap in this environment: tiny models "
+                         "of every family swapped to each scheme kind must give cached = uncached generation, "
+                         "padded rows = rows alone, eager = sdpa, save/reload and model.forward = model(). Prints "
+                         "a table with the installed versions; exits 1 if any check fails. Takes a few seconds.")
+
+
 def export_parser() -> OneLineParser:
     parser = OneLineParser(
         prog="hf-posswap export",
@@ -163,6 +170,7 @@ def finetune_parser() -> argparse.ArgumentParser:
 
 #: the parser of every command but ``demo`` (whose parser lives with it in ``cli/demo.py``)
 PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
+    "doctor": doctor_parser,
     "eval": eval_parser,
     "export": export_parser,
     "extend": extend_parser,

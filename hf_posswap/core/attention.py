@@ -29,6 +29,7 @@ from ..transformers_internals import (
     register_attention,
     repeat_kv,
     sdpa_attention,
+    warn_if_untested,
 )
 from .context import CONTEXT_KWARG, PositionContext
 from .rotary_cache import rotary_inputs
@@ -275,6 +276,7 @@ def _refuse_unseen_cache(module: nn.Module, query: torch.Tensor, key: torch.Tens
 def register_attention_functions() -> None:
     """Register ``posswap_eager`` / ``posswap_sdpa`` and their mask builders (idempotent)."""
     check_interfaces()
+    warn_if_untested()
     register_attention(EAGER, _carrier(eager_attention, fused=False), mask="eager")
     register_attention(SDPA, _carrier(sdpa_attention(), fused=True), mask="sdpa")
 
