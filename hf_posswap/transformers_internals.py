@@ -32,7 +32,7 @@ from .errors import PosSwapError
 
 #: the oldest and newest transformers releases the test suite passed on (docs/compatibility.md has the table);
 #: pyproject.toml declares the same floor
-OLDEST_TESTED = "5.0.0"
+OLDEST_TESTED = "5.5.0"
 NEWEST_TESTED = "5.24.0"
 
 RUNNING = Version(Version(transformers.__version__).base_version)  # "5.25.0.dev0" counts as 5.25.0
@@ -239,7 +239,18 @@ def check_interfaces() -> None:
             raise drift_error(f"{name} no longer takes {', '.join(missing)}.")
 
 
-# --- RoPE, weights and the Auto classes -------------------------------------------------------------------------
+# --- config fields, RoPE and the Auto classes -------------------------------------------------------------------
+
+#: the config field with the RoPE settings (``rope_type``, ``rope_theta``, ``factor``, ...; Gemma 3 nests one dict
+#: per layer type); 4.x's ``rope_scaling`` is a deprecated alias transformers maps onto it
+ROPE_PARAMETERS = "rope_parameters"
+
+
+def config_rope_parameters(config: Any) -> dict[str, Any]:
+    """A config's RoPE settings ({} when it has none)."""
+    found = getattr(config, ROPE_PARAMETERS, None)
+    return found if isinstance(found, dict) else {}
+
 
 
 def rope_init_functions() -> dict[str, Callable[..., Any]]:

@@ -43,6 +43,8 @@ NOT_RUN = {
                             "with short lengths in tests/test_real_checkpoints.py and on a tiny model in "
                             "tests/test_progress.py",
     "bash scripts/test.sh": "is CI itself (.ci/run runs exactly this)",
+    "pip install -e .": "installs into the running environment; scripts/compat.py installs the package into fresh "
+                        "environments of each tested transformers release and runs the suite there",
     "python scripts/bench_tiny.py --device cuda": "trains 14 tiny models x 10,000 steps on a GPU (hours on CPU); "
                                                   "its --quick mode runs in tests/test_benchmarks.py",
     "python scripts/bench_tiny.py --schemes": "trains a tiny model for 10,000-20,000 steps per run (16-59 min on 2 "
@@ -261,7 +263,7 @@ def test_cli_unknown_command_is_one_clear_line() -> None:
     result = subprocess.run([sys.executable, "-m", "hf_posswap", "swapp"], capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "hf-posswap: unknown command 'swapp'; choose from demo, eval, export, extend, finetune, inspect, plot, "
+        "hf-posswap: unknown command 'swapp'; choose from demo, doctor, eval, export, extend, finetune, inspect, plot, "
         "schemes, swap."
     )
 

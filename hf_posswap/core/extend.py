@@ -30,6 +30,7 @@ from ..schemes.mix import LayerMix
 from ..schemes.proportional import ProportionalRopeConfig
 from ..schemes.rope import RopeConfig
 from ..schemes.rope_scaling import SCALING_REGISTRY
+from ..transformers_internals import config_rope_parameters
 from .context import POSITIONS_ATTR
 from .mix import scale_rope_parts
 from .native import check_loaded, install_native_restorers, unwrap_peft
@@ -116,7 +117,7 @@ def _current_scheme(model: nn.Module, adapter: FamilyAdapter, state: SwapState |
     if state is not None:
         return state.config
     if adapter.rotary_module_path is not None:
-        rope = getattr(model.config, "rope_parameters", None) or {}
+        rope = config_rope_parameters(model.config)
         fraction = rope.get("partial_rotary_factor", 1.0)  # Phi-3 and GPT-NeoX rotate part of each head
         if rope.get("rope_type") == "proportional":  # p-RoPE keeps whole heads with its lowest frequencies at 0
             return ProportionalRopeConfig(rope_theta=rope.get("rope_theta"), partial_rotary_factor=fraction)
@@ -131,7 +132,7 @@ def _lengths(model: nn.Module, state: SwapState | None) -> tuple[int, int]:
     extension = getattr(state, "extension", None)
     if extension:
         return extension["original_max_position_embeddings"], extension["max_position_embeddings"]
-    rope = getattr(model.config, "rope_parameters", None) or {}
+    rope = config_rope_parameters(model.config)
     length = model.config.max_position_embeddings
     return rope.get("original_max_position_embeddings", length), length
 

@@ -24,6 +24,7 @@ from ..schemes.head_mix import HeadMix
 from ..schemes.mix import LayerMix
 from ..schemes.rope import RopeConfig
 from ..schemes.rope_scaling import SCALING_REGISTRY
+from ..transformers_internals import config_rope_parameters
 from .context import LayerPlan
 
 #: transformers rope types that hf_posswap's scalings express with the same fields
@@ -59,7 +60,7 @@ def native_part(model: nn.Module, adapter: FamilyAdapter, rope_parameters: dict 
             "not a per-layer mechanism. Say what the other layers get: hf_posswap.swap(model, "
             "hf_posswap.LayerMix(default='rope', overrides={'none': [...]}))."
         )
-    rope = dict(rope_parameters or getattr(model.config, "rope_parameters", None) or {})
+    rope = dict(rope_parameters or config_rope_parameters(model.config))
     rope_type = rope.get("rope_type", "default")
     if rope.get("partial_rotary_factor", 1.0) != 1.0 or rope_type not in ("default", *NATIVE_SCALINGS):
         raise InvalidConfigError(
@@ -102,7 +103,7 @@ def mix_on_layers(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig
 def per_type_rope(model: nn.Module) -> list[tuple[dict, list[int]]]:
     """``[(rope_parameters, layers)]`` per layer type when ``config.rope_parameters`` is nested by
     ``config.layer_types`` (Gemma 3); empty for one RoPE on every layer."""
-    rope = getattr(model.config, "rope_parameters", None) or {}
+    rope = config_rope_parameters(model.config)
     layer_types = list(getattr(model.config, "layer_types", None) or [])
     if not layer_types or not all(isinstance(rope.get(kind), dict) for kind in layer_types):
         return []

@@ -138,7 +138,9 @@ def trained_length(model: nn.Module) -> int | None:
     extension = record.get("extension") if isinstance(record, dict) else None
     if isinstance(extension, dict) and isinstance(extension.get("original_max_position_embeddings"), int):
         return extension["original_max_position_embeddings"]
-    rope = getattr(config, "rope_parameters", None)
-    if isinstance(rope, dict) and isinstance(rope.get("original_max_position_embeddings"), int):
+    from ..transformers_internals import config_rope_parameters
+
+    rope = config_rope_parameters(config)
+    if isinstance(rope.get("original_max_position_embeddings"), int):
         return rope["original_max_position_embeddings"]
     return getattr(config, "max_position_embeddings", None)

@@ -18,6 +18,7 @@ from ..registry import Registry
 from ..schemes.base import ModelSpec, NoPositions
 from ..schemes.rope import RopeConfig
 from ..schemes.two_pass import SelfExtend
+from ..transformers_internals import ROPE_PARAMETERS, config_rope_parameters
 
 
 class FamilyAdapter:
@@ -63,7 +64,7 @@ class FamilyAdapter:
         dtype, device = parameter_dtype_device(base)
         slot = self.absolute_slot(base)
         table = getattr(getattr(slot[0], slot[1]), "weight", None) if slot is not None else None
-        rope = (getattr(config, "rope_parameters", None) or {}) if self.rotary_module_path else {}
+        rope = config_rope_parameters(config) if self.rotary_module_path else {}
         heads = config.num_attention_heads
         return ModelSpec(
             model_type=config.model_type,
@@ -198,7 +199,7 @@ def rebuild_rotary_edits(model: nn.Module, base: nn.Module, rope_parameters: dic
     return [
         SetAttribute(
             model.config,
-            "rope_parameters",
+            ROPE_PARAMETERS,
             lambda: copy.deepcopy(rope_parameters),
             where=f"config.rope_parameters = {rope_parameters}",
         ),

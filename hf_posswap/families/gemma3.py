@@ -24,6 +24,7 @@ from ..edits import Edit
 from ..schemes.base import ModelSpec
 from ..schemes.rope import RopeConfig
 from ..schemes.two_pass import SelfExtend
+from ..transformers_internals import config_rope_parameters
 from .base import FamilyAdapter, rebuild_rotary_edits, register_family
 
 GLOBAL_LAYER_TYPE = "full_attention"
@@ -46,14 +47,14 @@ class Gemma3Adapter(FamilyAdapter):
     def native_rope_edits(self, model: nn.Module, config: RopeConfig) -> list[Edit] | None:
         if config.partial_rotary_factor != 1.0 or isinstance(config.scaling, SelfExtend):
             return None  # Gemma 3's rotary class rotates whole heads; Self-Extend needs unrotated cached keys
-        current = model.config.rope_parameters
+        current = config_rope_parameters(model.config)
         new = config.rope_parameters(self.spec(model).head_dim)
         scaled = _scaled_layer_types(model.config)
         rope_parameters = {kind: dict(new) if kind in scaled else dict(current[kind]) for kind in current}
         return rebuild_rotary_edits(model, self.base_model(model), rope_parameters)
 
     def describe_native(self, model: nn.Module) -> str:
-        return f"RoPE per layer type (rotary_emb, rope_parameters={getattr(model.config, 'rope_parameters', None)})"
+        return f"RoPE per layer type (rotary_emb, rope_parameters={config_rope_parameters(model.config)})"
 
 
 def _scaled_layer_types(config: Any) -> set[str]:
@@ -64,4 +65,4 @@ def _scaled_layer_types(config: Any) -> set[str]:
 
 def _global_parameters(config: Any) -> dict[str, Any]:
     """rope_parameters of the global layers (of the first scaled type when there are none)."""
-    return config.rope_parameters[sorted(_scaled_layer_types(config))[0]]
+    return config_rope_parameters(config)[sorted(_scaled_layer_types(config))[0]]

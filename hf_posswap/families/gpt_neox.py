@@ -18,6 +18,7 @@ from torch import nn
 
 from ..edits import Edit
 from ..schemes.rope import RopeConfig
+from ..transformers_internals import config_rope_parameters
 from .base import FamilyAdapter, native_partial_rope_edits, register_family
 
 #: model_type of a non-native swapped GPT-NeoX checkpoint (``hf_posswap.core.state.MODEL_TYPE_PREFIX`` + gpt_neox)
@@ -53,4 +54,4 @@ class GPTNeoXAdapter(FamilyAdapter):
         return native_partial_rope_edits(model, self.base_model(model), config, self.spec(model).head_dim)
 
     def describe_native(self, model: nn.Module) -> str:
-        return f"partial RoPE (rotary_emb, rope_parameters={getattr(model.config, 'rope_parameters', None)})"
+        return f"partial RoPE (rotary_emb, rope_parameters={config_rope_parameters(model.config)})"

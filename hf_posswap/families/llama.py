@@ -14,6 +14,7 @@ from torch import nn
 from ..edits import Edit
 from ..schemes.rope import RopeConfig
 from ..schemes.two_pass import SelfExtend
+from ..transformers_internals import config_rope_parameters
 from .base import FamilyAdapter, rebuild_rotary_edits, register_family
 
 
@@ -34,4 +35,4 @@ class LlamaAdapter(FamilyAdapter):
         return rebuild_rotary_edits(model, self.base_model(model), rope_parameters)
 
     def describe_native(self, model: nn.Module) -> str:
-        return f"RoPE (rotary_emb, rope_parameters={getattr(model.config, 'rope_parameters', None)})"
+        return f"RoPE (rotary_emb, rope_parameters={config_rope_parameters(model.config)})"

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..edits import Edit
 from ..schemes.rope import RopeConfig
+from ..transformers_internals import config_rope_parameters
 from .base import FamilyAdapter, native_partial_rope_edits, register_family
 
 #: the rope types ``Phi3Config.validate_rope`` accepts
@@ -33,4 +34,4 @@ class Phi3Adapter(FamilyAdapter):
         return native_partial_rope_edits(model, self.base_model(model), config, head_dim, PHI3_ROPE_TYPES)
 
     def describe_native(self, model: nn.Module) -> str:
-        return f"partial RoPE (rotary_emb, rope_parameters={getattr(model.config, 'rope_parameters', None)})"
+        return f"partial RoPE (rotary_emb, rope_parameters={config_rope_parameters(model.config)})"

@@ -31,7 +31,7 @@ from ..schemes.base import SchemeConfig
 from ..schemes.nope import NoPEConfig
 from ..schemes.rope import RopeConfig
 from ..schemes.two_pass import SelfExtend
-from ..transformers_internals import attention_implementation
+from ..transformers_internals import attention_implementation, config_rope_parameters
 
 TARGET = "smollm3"
 #: keys of a LLaMA config that a SmolLM3 config does not take (``pretraining_tp`` is unused by 5.x's LLaMA)
@@ -133,7 +133,7 @@ def no_rope_layers(model: nn.Module) -> tuple[list[int], dict[str, Any]]:
         )
     rope_parameters = (
         next(iter(rope_parts.values())).rope_parameters(spec.head_dim) if rope_parts
-        else dict(model.config.rope_parameters)  # all NoPE: the native settings, used by no layer
+        else dict(config_rope_parameters(model.config))  # all NoPE: the native settings, used by no layer
     )
     return [int(i in rope_parts) for i in range(spec.num_layers)], rope_parameters
 
