@@ -124,19 +124,20 @@ def test_no_full_size_temporaries() -> None:
 
 
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
-def test_queries_rotated_in_place_give_the_logits_of_the_copying_path(family: str) -> None:
-    """Under no_grad the carriers rotate queries where they lie (keys stay copies: they may be a cache's); with
-    grad nothing is written in place. Both give the same logits, and a model-made cache keeps unrotated keys."""
+def test_no_grad_gives_the_logits_of_a_forward_with_grad(family: str) -> None:
+    """Under no_grad the carriers rotate q and k into new tensors, as with grad (they may be views of a projection's
+    output, see tests/test_forward_hooks.py): both give the same logits, and a model-made cache keeps unrotated
+    keys."""
     model = make_model(family)
     ps.swap(model, "rope")
     input_ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        in_place = model(input_ids=input_ids, use_cache=family == "gpt2")
+        no_grad = model(input_ids=input_ids, use_cache=family == "gpt2")
     with torch.enable_grad():
-        copying = model(input_ids=input_ids, use_cache=family == "gpt2")
-    torch.testing.assert_close(in_place.logits, copying.logits.detach(), atol=1e-6, rtol=1e-6)
+        with_grad = model(input_ids=input_ids, use_cache=family == "gpt2")
+    torch.testing.assert_close(no_grad.logits, with_grad.logits.detach(), atol=1e-6, rtol=1e-6)
     if family == "gpt2":  # the cache GPT-2 made itself holds the keys unrotated, as under grad
-        for ours, theirs in zip(in_place.past_key_values.layers, copying.past_key_values.layers, strict=True):
+        for ours, theirs in zip(no_grad.past_key_values.layers, with_grad.past_key_values.layers, strict=True):
             torch.testing.assert_close(ours.keys, theirs.keys.detach(), atol=1e-6, rtol=1e-6)
 
 

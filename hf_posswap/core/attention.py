@@ -112,7 +112,7 @@ def scheme_inputs(
     if context is None or context.positions is None or not context.is_self_attention(module):
         return query, key, attention_mask
     if context.kind == "rotary":  # keys held by a KV cache are rotated once, in the cache (see rotary_cache)
-        query, key = rotary_inputs(module, query, key, context, query_in_place=True)  # the unrotated q is not read
+        query, key = rotary_inputs(module, query, key, context)  # new tensors: q, k may be projection outputs
         return query, key, attention_mask
     if context.kind == "temperature":
         return temperature_queries(query, context), key, attention_mask

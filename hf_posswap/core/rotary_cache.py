@@ -10,9 +10,11 @@ per forward (``context.memo``), so cos/sin are computed once per forward, not on
 
 When keys are rotated in place (:func:`cache_layer`): a length-independent rotation (not dynamic NTK or LongRoPE,
 whose rotation of a position changes with the current length, and not Self-Extend, which needs the keys unrotated),
-a cache layer that is not sliding and whose key tensor is the one attention received (transformers' dynamic and
-static layers), and slots indexed by position (a static cache's whole buffer too). Everything else takes the full
-path of before: every key rotated at every step, out of place.
+a cache layer that is not sliding and whose key tensor is the one attention received and memory the layer made
+itself (transformers' dynamic and static layers copy what they store), and slots indexed by position (a static
+cache's whole buffer too). Everything else takes the full path of before: every key rotated at every step, out of
+place. Queries are always rotated out of place: the query and key attention receives may be views of a projection's
+output, which a forward hook may hold and must find as the projection returned it.
 
 Why the record stays right: beam search (``reorder_cache``), ``batch_select_indices`` and ``batch_repeat_interleave``
 move rows, not positions; ``crop`` (assisted decoding) and ``reset`` shorten the layer, and only ``min(count,
@@ -74,15 +76,14 @@ def scales_keys(positions: nn.Module | None) -> bool:
     return bool(getattr(positions, "scales_keys", False))
 
 
-def rotary_inputs(
-    module: nn.Module, query: torch.Tensor, key: torch.Tensor, context: Any, query_in_place: bool = False
-) -> tuple[torch.Tensor, ...]:
+def rotary_inputs(module: nn.Module, query: torch.Tensor, key: torch.Tensor, context: Any) -> tuple[torch.Tensor, ...]:
     """Rotated (q [B, H, q, D], k [B, Hkv, kv, D]) for a :class:`~hf_posswap.core.context.PositionContext`.
 
     Keys held by a cache layer (see :func:`cache_layer`) are rotated once, in place; other keys are all rotated,
     out of place, with the positions the context gives them (they may be a cache's tensor that the model made
-    itself, which must stay unrotated). ``query_in_place``: the caller reads the query only through the result,
-    so it may be rotated where it lies (when it needs no gradient). xPos (:func:`scales_keys`) counts positions
+    itself, which must stay unrotated). The query is always rotated out of place: GPT-2 and BERT hand attention
+    views of their projections' outputs, which forward hooks (activation capture, interpretability tools) may
+    hold, and those must keep the values the projection returned. xPos (:func:`scales_keys`) counts positions
     from a reference that queries and keys share: the centre of the call's positions, or the one a cache layer
     recorded.
     """
@@ -92,21 +93,21 @@ def rotary_inputs(
     rows = context.row_positions
     if rows is not None and rows.shape[-1] == q_len == kv_len:  # explicit positions (PoSE): no cache
         reference = rows[..., q_len // 2 : q_len // 2 + 1]  # [B, 1]: each row's middle position
-        query = rotate(query, *_row_angles(context, scheme, rows, seq_len, False, reference), context, query_in_place)
+        query = rotate(query, *_row_angles(context, scheme, rows, seq_len, False, reference), context)
         return query, rotate(key, *_row_angles(context, scheme, rows, seq_len, True, reference), context)
-    layer = cache_layer(module, key, q_len, context)
+    layer = cache_layer(module, query, key, context)
     if layer is None:
         start = context.key_start(q_len, kv_len)
         reference = start + kv_len // 2  # the centre of the keys (the queries are among them)
         cos, sin = angles(context, context.query_offset, q_len, seq_len, query.device, reference)
-        query = rotate(query, cos, sin, context, query_in_place)
+        query = rotate(query, cos, sin, context)
         return query, rotate(key, *angles(context, start, kv_len, seq_len, key.device, reference, True), context)
     step = _decode_step(layer, query, key, context)
     if step is not None:
         return step
     done, reference = _rotated_prefix(layer, key, q_len, context)
     cos, sin = angles(context, context.query_offset, q_len, seq_len, query.device, reference)
-    query = rotate(query, cos, sin, context, query_in_place)
+    query = rotate(query, cos, sin, context)
     return query, _rotate_cached(layer, key, q_len, context, done, reference)
 
 
@@ -191,7 +192,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: Any, 
     """``apply_rotary(x, cos, sin)`` for x [B, H, n, D], with fewer passes over x and no full-size temporaries: one
     token (a decode step) is one matmul with its rotation matrix (same values to float rounding, the matrix built
     once per forward); more tokens are rotated pair-wise in blocks of positions (:mod:`~hf_posswap.core.rotation`:
-    the same values bit for bit, and a backward that is one inverse rotation). ``in_place``: the caller owns x and
+    the same values bit for bit, and a backward that is one inverse rotation). ``in_place``: x is memory the caller
+    owns (a cache layer's own key tensor, never a view of a projection's output that a forward hook may hold) and
     nobody reads it unrotated again, so x may be rotated where it lies when nothing needs a gradient (the result
     is then x itself)."""
     if sin.requires_grad or cos.requires_grad:  # a trainable rotation: keep autograd's view of every product
@@ -267,17 +269,33 @@ def _row_angles(
     return found
 
 
-def cache_layer(module: nn.Module, key: torch.Tensor, q_len: int, context: Any) -> Any | None:
+def cache_layer(module: nn.Module, query: torch.Tensor, key: torch.Tensor, context: Any) -> Any | None:
     """The cache layer whose key tensor ``key`` is, when its keys may be stored rotated (else None): a
-    length-independent rotation, a layer that is not sliding, and slots indexed by position."""
+    length-independent rotation, a layer that is not sliding, slots indexed by position, and a key tensor that the
+    layer made itself (:func:`_made_by_cache`)."""
     if context.cache is None or not rotates_once(context.positions, context.self_extend):
         return None
     layer = cache_layer_at(context.cache, getattr(module, "layer_idx", None))
     if layer is None or layer_keys(layer) is not key or layer_is_sliding(layer):
         return None
-    if key.dim() != 4 or key.shape[2] < context.query_offset + q_len:  # slot index != position
+    if key.dim() != 4 or key.shape[2] < context.query_offset + query.shape[2]:  # slot index != position
         return None
-    return layer
+    return layer if _made_by_cache(key, query) else None
+
+
+def _made_by_cache(key: torch.Tensor, query: torch.Tensor) -> bool:
+    """Whether a cache layer's key tensor [B, Hkv, kv, D] is memory of its own, which may be rotated in place, and
+    not the key projection's output that the layer kept as it was handed over (a forward hook on the projection may
+    hold that output, and must keep seeing the values the projection returned).
+
+    transformers' layers copy every key they store: a dynamic layer concatenates (``torch.cat`` allocates, even onto
+    its empty first tensor), a static layer writes into its own buffer (``index_copy_``). A layer that kept the
+    handed tensor would show it here as a view of another tensor (tracked outside inference mode), as a tensor that
+    shares memory with the query (a fused qkv projection: GPT-2's ``c_attn``), or as a strided one (the
+    [B, L, H, D] projection read as [B, H, L, D]; the layers' own tensors are dense)."""
+    if key._base is not None or not key.is_contiguous():
+        return False
+    return key.untyped_storage().data_ptr() != query.untyped_storage().data_ptr()
 
 
 def _rotate_cached(layer: Any, key: torch.Tensor, q_len: int, context: Any, done: int, reference: int) -> torch.Tensor:

@@ -11,7 +11,8 @@ and they are the formula's bit for bit: ``(-a) * b == -(a * b)`` and ``c + (-d) 
 arithmetic. Here they are computed one block of positions at a time, so the only temporaries are two products of
 one block (about 1 MiB each):
 
-- :func:`rotate_pairs_` writes into x (queries that nobody reads again, keys inside a KV cache);
+- :func:`rotate_pairs_` writes into x (keys in a KV cache layer's own tensor; never a query or key that may be a
+  view of a projection's output, which a forward hook may hold);
 - :func:`rotate_pairs` writes into one new tensor laid out like x (so attention sees the strides it sees natively),
   through an autograd Function whose backward is the transposed rotation, ``grad1 = g1 * c1 + g2 * s2``,
   ``grad2 = g2 * c2 - g1 * s1``: the values autograd computes through the formula, in one pass like the forward.
