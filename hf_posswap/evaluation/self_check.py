@@ -154,17 +154,19 @@ def versions() -> dict[str, str]:
     return found
 
 
-def self_check(families: tuple[str, ...] = FAMILIES) -> SelfCheckReport:
-    """Run every check on tiny models of ``families`` (default: one of each family adapter); see the module docs.
-    transformers' progress bars and log lines are hidden while it runs."""
+def self_check(families: str | tuple[str, ...] = FAMILIES) -> SelfCheckReport:
+    """Run every check on tiny models of ``families`` (one name or several; default: one of each family adapter);
+    see the module docs. transformers' progress bars and log lines are hidden while it runs."""
     from transformers.utils import logging as transformers_logging
 
     from ..persistence.autoload import register
     from ..progress import library_bars
 
+    families = (families,) if isinstance(families, str) else tuple(families)
     unknown = [family for family in families if family not in FAMILIES]
-    if unknown:
-        raise InvalidConfigError(f"self_check has no tiny model for {unknown}; choose from {', '.join(FAMILIES)}.")
+    if unknown or not families:
+        raise InvalidConfigError(f"self_check has no tiny model for {unknown or 'no family'}; choose one or more of "
+                                 f"{', '.join(FAMILIES)}.")
     register()  # save/reload goes through the Auto classes, as a user's own code does
     start = time.perf_counter()
     report = SelfCheckReport(versions())
