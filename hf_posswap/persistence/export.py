@@ -22,7 +22,8 @@ from ..errors import InvalidConfigError
 REMOTE_FILE = "modeling_posswap.py"
 #: hf_posswap modules bundled into the remote file, in dependency order
 BUNDLED = (
-    "errors", "transformers_internals", "registry", "edits", "schemes/base", "schemes/rope_scaling", "schemes/two_pass", "schemes/learned",
+    "errors", "transformers_internals", "registry", "edits", "schemes/base", "schemes/rope_scaling", "schemes/two_pass",
+    "schemes/learned",
     "schemes/sinusoidal", "schemes/nope", "schemes/rope", "schemes/kept_rows", "schemes/fused_alibi", "schemes/alibi",
     "schemes/fused_t5", "schemes/t5",
     "schemes/kerple", "schemes/sandwich", "schemes/fire", "schemes/head_mix", "schemes/mix", "schemes/xpos",
