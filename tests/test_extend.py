@@ -250,35 +250,44 @@ def test_extension_errors_leave_the_model_untouched(setup, args, options, error,
     assert_untouched(model, before)
 
 
-def test_self_extend_leaves_inputs_within_the_original_length_unchanged() -> None:
-    model, plain = make_model("llama"), make_model("llama")
-    ps.extend_context(model, 4 * MAX_POSITIONS, "self_extend", neighbor_window=16)
-    assert ps.describe(model).settings["scaling"]["group_size"] == 5  # (64 - 16) * 5 + 16 = 256
+def test_self_extend_groups_from_the_window_on_and_the_option_keeps_the_original_length_exact() -> None:
+    """As its authors define it, Self-Extend leaves inputs no longer than the window unchanged and groups longer
+    ones, even within the original length; ``exact_within_original`` leaves inputs within the original length
+    unchanged (bit for bit)."""
+    plain = make_model("llama")
+    authors = ps.extend_context(make_model("llama"), 4 * MAX_POSITIONS, "self_extend", neighbor_window=16)
+    exact = ps.extend_context(make_model("llama"), 4 * MAX_POSITIONS, "self_extend", neighbor_window=16,
+                              exact_within_original=True)
+    assert ps.describe(authors).settings["scaling"]["group_size"] == 5  # (64 - 16) * 5 + 16 = 256
     with torch.no_grad():
-        assert torch.equal(model(input_ids=ids(MAX_POSITIONS)).logits, plain(input_ids=ids(MAX_POSITIONS)).logits)
+        assert torch.equal(authors(input_ids=ids(16)).logits, plain(input_ids=ids(16)).logits)
+        within = ids(MAX_POSITIONS)
+        assert not torch.allclose(authors(input_ids=within).logits, plain(input_ids=within).logits, atol=1e-4)
+        assert torch.equal(exact(input_ids=within).logits, plain(input_ids=within).logits)
         longer = ids(3 * MAX_POSITIONS)
-        assert not torch.allclose(model(input_ids=longer).logits, plain(input_ids=longer).logits, atol=1e-4)
+        assert not torch.allclose(exact(input_ids=longer).logits, plain(input_ids=longer).logits, atol=1e-4)
 
 
-def test_self_extend_attention_uses_the_papers_grouped_distances() -> None:
+@pytest.mark.parametrize("start", [4, 8], ids=["authors", "exact-within-original"])
+def test_self_extend_attention_uses_the_papers_grouped_distances(start: int) -> None:
     """Each logit equals q rotated by the Self-Extend relative distance, dotted with the unrotated key:
-    d = i - j within the window W, else (i // G + W - W // G) - j // G (Jin et al. 2024, Algorithm 1); queries
-    before the original length (8 here) keep d = i - j, so a cached decode equals a recompute."""
+    d = i - j within the window W, else (i // G + W - W // G) - j // G (Jin et al. 2024, Algorithm 1). Start W = 4
+    is the authors' rule (every query); start 8 is ``exact_within_original`` with an original length of 8 (queries
+    before it keep d = i - j)."""
     from hf_posswap.core.context import PositionContext
     from hf_posswap.core.self_extend import self_extend_attention
     from hf_posswap.schemes.rope import apply_rotary
 
     group, window, length, head_dim = 3, 4, 20, 8
     rotary = ps.RopeConfig(rope_theta=100.0).build(_spec(head_dim))
-    context = PositionContext(rotary, "rotary", 0, lambda module: True, True, (group, window, 8))
+    context = PositionContext(rotary, "rotary", 0, lambda module: True, True, (group, window, start))
     query, key, value = torch.randn(1, 1, length, head_dim), torch.randn(1, 1, length, head_dim), torch.eye(length)
     module = torch.nn.Module()
     _, weights = self_extend_attention(module, query, key, value[None, None, :, :head_dim].expand(1, 1, -1, -1),
                                        None, context, scaling=1.0)
     i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
-    original = 8
     grouped = (i // group + window - window // group) - j // group
-    distance = torch.where((i - j < window) | (i < original), i - j, grouped)
+    distance = torch.where((i - j < window) | (i < start), i - j, grouped)
     expected = torch.full((length, length), float("-inf"))
     for a in range(length):
         for b in range(a + 1):

@@ -100,12 +100,14 @@ def test_self_extend_left_padded_row_equals_the_row_alone(family: str) -> None:
                                    rtol=1e-4)
 
 
-def test_self_extend_short_bert_row_batched_with_a_long_one_is_not_grouped() -> None:
+@pytest.mark.parametrize("exact_within_original", [False, True], ids=["authors", "exact-within-original"])
+def test_self_extend_short_bert_row_batched_with_a_long_one_attends_as_alone(exact_within_original: bool) -> None:
     """Bidirectional Self-Extend: a row within the original length, right-padded next to a longer row, must attend
-    as it does alone (it used to be grouped because the batch, not the row, exceeded the original length)."""
+    as it does alone (grouped past the window, or, with ``exact_within_original``, not grouped: grouping follows
+    the row, not the batch)."""
     model = make_model("bert")
     ps.swap(model, "rope")
-    ps.extend_context(model, 256, "self_extend", neighbor_window=16)
+    ps.extend_context(model, 256, "self_extend", neighbor_window=16, exact_within_original=exact_within_original)
     short, long = tokens(1, 40), tokens(1, 100, seed=2)
     batch = torch.cat([torch.cat([short, torch.zeros(1, 60, dtype=torch.long)], 1), long])
     mask = torch.ones_like(batch)

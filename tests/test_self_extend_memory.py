@@ -89,14 +89,16 @@ def attention_module(causal: bool = True, implementation: str | None = None) -> 
     return module.eval()
 
 
-def make_context(offset: int = 0) -> PositionContext:
+def make_context(offset: int = 0, start: int = WINDOW) -> PositionContext:
+    """Settings (G, W, start): start = W is Self-Extend as its authors define it, start = the original length its
+    ``exact_within_original`` option."""
     spec = ps.schemes.ModelSpec(
         model_type="test", hidden_size=HEADS * HEAD_DIM, num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS,
         head_dim=HEAD_DIM, is_causal=True, max_positions=ORIGINAL, initializer_range=0.02, native_rope_theta=None,
         dtype=torch.float32, device=torch.device("cpu"),
     )
     rotary = ps.RopeConfig(rope_theta=100.0).build(spec)
-    return PositionContext(rotary, "rotary", offset, lambda module: True, True, (GROUP, WINDOW, ORIGINAL))
+    return PositionContext(rotary, "rotary", offset, lambda module: True, True, (GROUP, WINDOW, start))
 
 
 def tensors(batch: int, q_len: int, kv_len: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -126,14 +128,16 @@ def float_mask(mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
 
 
-def case(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor | None, PositionContext]:
+def case(
+    name: str, start: int = WINDOW
+) -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor | None, PositionContext]:
     """(module, (q, k, v), mask, context) of one input form; lengths cross the original length (16)."""
-    context = make_context()
+    context = make_context(start=start)
     if name in ("causal", "bidirectional"):
         return attention_module(name == "causal"), tensors(2, 40, 40), None, context
     if name in ("causal-padded-bool", "causal-padded-float", "bidirectional-padded-bool", "bidirectional-padded-float"):
         causal = name.startswith("causal")
-        mask_2d = left_padding([40, 12], 40)  # a long row and a short one (not grouped when bidirectional)
+        mask_2d = left_padding([40, 12], 40)  # a long row and a short one (bidirectional, start 16: not grouped)
         context.padded_positions = (mask_2d.cumsum(-1) - 1).clamp(min=0)
         mask = bool_mask(mask_2d, causal, 40)
         return attention_module(causal), tensors(2, 40, 40), float_mask(mask) if "float" in name else mask, context
@@ -141,14 +145,14 @@ def case(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor |
         context.row_positions = torch.stack([torch.arange(36) * 2, torch.arange(36) + 5])
         return attention_module(), tensors(2, 36, 36), None, context
     if name == "decode":  # one step after 39 cached tokens
-        return attention_module(), tensors(2, 1, 40), None, make_context(offset=39)
+        return attention_module(), tensors(2, 1, 40), None, make_context(39, start)
     if name == "cached-chunk":  # 6 queries after 34 cached tokens
-        return attention_module(), tensors(2, 6, 40), None, make_context(offset=34)
+        return attention_module(), tensors(2, 6, 40), None, make_context(34, start)
     if name == "static-cache":  # a 48-slot buffer holding 30 tokens, 4 new queries: later slots are empty
-        return attention_module(), tensors(1, 4, 48), None, make_context(offset=26)
+        return attention_module(), tensors(1, 4, 48), None, make_context(26, start)
     if name == "decode-padded":  # a padded batch decoding: dynamic cache, the mask covers the keys
         mask_2d = left_padding([40, 25], 40)
-        context = make_context(offset=39)
+        context = make_context(39, start)
         context.padded_positions = (mask_2d.cumsum(-1) - 1).clamp(min=0)
         return attention_module(), tensors(2, 1, 40), bool_mask(mask_2d, True, 1), context
     raise ValueError(name)
@@ -158,10 +162,11 @@ CASES = ["causal", "bidirectional", "causal-padded-bool", "causal-padded-float",
          "bidirectional-padded-float", "row-positions", "decode", "cached-chunk", "static-cache", "decode-padded"]
 
 
+@pytest.mark.parametrize("start", [WINDOW, ORIGINAL], ids=["authors", "exact-within-original"])
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64])
 @pytest.mark.parametrize("name", CASES)
-def test_chunked_equals_the_dense_reference(name: str, chunk: int) -> None:
-    module, (query, key, value), mask, context = case(name)
+def test_chunked_equals_the_dense_reference(name: str, chunk: int, start: int) -> None:
+    module, (query, key, value), mask, context = case(name, start)
     expected, expected_weights = reference_self_extend(module, query, key, value, mask, context, scaling=0.3)
     output, weights = chunked_self_extend(module, query, key, value, mask, context, 0.3, chunk=chunk,
                                           keep_weights=True)
@@ -172,14 +177,16 @@ def test_chunked_equals_the_dense_reference(name: str, chunk: int) -> None:
     torch.testing.assert_close(alone, output, atol=0, rtol=0)
 
 
-def test_the_cases_exercise_both_logits_and_every_shortcut() -> None:
-    """The shapes above are long enough that chunks group all, some and none of their keys."""
-    module, (query, key, value), _mask, context = case("causal")
+@pytest.mark.parametrize("start", [WINDOW, ORIGINAL], ids=["authors", "exact-within-original"])
+def test_the_cases_exercise_both_logits_and_every_shortcut(start: int) -> None:
+    """The shapes above are long enough that chunks group all, some and none of their keys; queries before
+    ``start`` group nothing."""
+    module, (query, key, value), _mask, context = case("causal", start)
     grouped = chunked_self_extend(module, query, key, value, None, context, 0.3)[0]
     context.self_extend = (1, 10_000, 10_000)  # nothing grouped
     plain = chunked_self_extend(module, query, key, value, None, context, 0.3)[0]
-    assert not torch.allclose(grouped[:, ORIGINAL:], plain[:, ORIGINAL:], atol=1e-3)
-    torch.testing.assert_close(grouped[:, :ORIGINAL], plain[:, :ORIGINAL], atol=0, rtol=0)
+    assert not torch.allclose(grouped[:, start:], plain[:, start:], atol=1e-3)
+    torch.testing.assert_close(grouped[:, :start], plain[:, :start], atol=0, rtol=0)
 
 
 def test_dropout_draws_as_the_reference_when_one_chunk_holds_every_query() -> None:

@@ -228,7 +228,8 @@ def fused_bias_attention(
 
 
 def _needs_self_extend(module: nn.Module, query: torch.Tensor, context: PositionContext | None) -> bool:
-    """Self-Extend runs only past the original length, and only in self-attention."""
+    """Two-pass attention (Self-Extend, ReRoPE) runs only past its settings' ``start`` (shorter inputs group no
+    pair), and only in self-attention."""
     if context is None or context.self_extend is None or not context.is_self_attention(module):
         return False
     return context.query_offset + query.shape[2] > context.self_extend[2]

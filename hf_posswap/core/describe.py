@@ -118,8 +118,8 @@ def _cache_note(method: str, native: bool) -> str:
     """What happens with the KV cache for a length-dependent method (tested in tests/test_extend.py)."""
     if method == "self_extend":
         return (
-            "grouped attention is decided per query: queries past the original length use grouped distances, "
-            "earlier ones attend as before. Generation with the KV cache equals a full recompute."
+            "a query's grouped distances depend only on its own and its keys' positions, not on the current "
+            "length, so generation with the KV cache equals a full recompute."
         )
     if native:
         return (

@@ -3,10 +3,12 @@ arXiv:2401.01325, Algorithm 1), and ReRoPE (Su 2023, github.com/bojone/rerope) o
 
 Two logits per (query, key): with the exact positions ("neighbour" attention) and with grouped positions
 floor(pos / G), the query's shifted by W - floor(W / G) so grouped distances continue where the window ends.
-Keys closer than W to the query take the neighbour logit, the others the grouped one. Runs only when the current
-length exceeds the original one; shorter inputs take the ordinary path and are unchanged. In causal models only
-queries past the original length use grouped distances (see :func:`self_extend_attention`), which keeps cached
-decoding equal to a full recompute.
+Keys closer than W to the query take the neighbour logit, the others the grouped one, for every query, as the
+authors' code does (github.com/datamllab/LongLM, ``self_extend_patch/Llama_4_40.py``). It runs once the current
+length exceeds the settings' ``start`` (:class:`~hf_posswap.schemes.two_pass.TwoPassSettings`): the window, or
+the original length with Self-Extend's ``exact_within_original``; shorter inputs take the ordinary path and are
+unchanged. A query's logits depend only on its own and its keys' positions, so cached decoding equals a full
+recompute.
 
 ReRoPE is the same two passes with an infinite group: far keys unrotated, far queries at position W, so every key
 past the window sits at distance W; Leaky ReRoPE divides by k without the floor (distance W + (d - W) / k). It acts
@@ -16,7 +18,7 @@ Memory: the queries are processed in chunks, so no ``[B, H, q, kv]`` tensor exis
 returned (the eager carrier, or ``output_attentions=True``): a chunk holds at most :data:`CHUNK_ELEMENTS` logits
 (64 MiB in fp32) plus a few tensors of the same size. Within a chunk, keys that every query of the chunk groups
 get only the grouped logit, keys past the last query of a causal chunk (unmasked case) are skipped, and chunks
-whose queries are all before the original length get only the neighbour logit.
+that group no pair get only the neighbour logit.
 """
 
 from __future__ import annotations
@@ -49,11 +51,11 @@ def self_extend_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Grouped + neighbour attention for q [B, H, q, D], unrotated k, v [B, Hkv, kv, D]; returns (out, weights).
 
-    Positions may be shared ([q], [kv]) or per row ([B, q], explicit ``position_ids``). In a causal model the
-    grouping is decided per query: a query at position p < original length attends exactly as the unextended
-    model does (all its keys are within the trained distances), later queries use grouped distances past the
-    window. A query's result then depends only on its own position, so a cached decode equals a full recompute.
-    A bidirectional model groups every pair farther apart than the window once the row exceeds the original length.
+    Positions may be shared ([q], [kv]) or per row ([B, q], explicit ``position_ids``). In a causal model every
+    key at distance >= W from its query takes the grouped logit (Jin et al. 2024; with ``start`` = the original
+    length, only for queries at or past it). A query's result depends only on its own and its keys' positions, so
+    a cached decode equals a full recompute. A bidirectional model groups every pair at least W apart once the row
+    reaches ``start``.
 
     Weights [B, H, q, kv] are returned where the caller can use them: ``output_attentions=True``, or any carrier
     but sdpa (eager's contract is to return them); the sdpa carrier gets None, as sdpa itself returns, and never
