@@ -171,7 +171,9 @@ def update_doc(rows: list[str]) -> None:
     kept = {line.split("|")[1].strip(): line for line in table.strip().splitlines()[2:] if line.startswith("|")}
     kept.update({line.split("|")[1].strip(): line for line in rows})
     ordered = sorted(kept.values(), key=lambda line: _version_key(line.split("|")[1].strip()))
-    DOC.write_text(f"{head}{START}\n{HEADER}\n" + "\n".join(ordered) + f"\n{END}{tail}", encoding="utf-8")
+    staged = DOC.with_name(f".{DOC.name}.tmp")  # written whole, then renamed: a killed run leaves the old table
+    staged.write_text(f"{head}{START}\n{HEADER}\n" + "\n".join(ordered) + f"\n{END}{tail}", encoding="utf-8")
+    os.replace(staged, DOC)
 
 
 def _version_key(version: str) -> tuple[int, ...]:
