@@ -1,20 +1,16 @@
 """RoPE inside attention with keys rotated once, where they enter the KV cache.
 
-GPT-2 and BERT project and cache keys with no hook in between, so rotary schemes rotate q and k inside the attention
-function, which receives the cache's own key tensor (past and current tokens). Rotating every cached key again at
-every decode step costs a pass over the whole cache per layer and step (0.74x native tokens/s). Here a key is
-rotated the first time it reaches attention, *in the cache's own tensor*, and the cache layer records how many of
-its leading slots hold rotated keys and with which rotation (:class:`RotatedKeys`, an attribute of the layer, so
-``copy.deepcopy`` of a cache carries it). Later steps rotate only the new tail; queries and the tail share one cos/sin
-per forward (``context.memo``), so cos/sin are computed once per forward, not once per layer.
+GPT-2 and BERT cache keys with no hook after their projection, so rotary schemes rotate q and k inside attention,
+which receives the cache's own key tensor. Rotating every cached key at every decode step costs a pass over the
+cache per layer and step (0.74x native tokens/s), so a key is rotated once, *in the cache's own tensor*, and the
+layer records how many leading slots hold rotated keys and with which rotation (:class:`RotatedKeys`, a layer
+attribute that ``copy.deepcopy`` carries). Later steps rotate only the new tail, with cos/sin made once per forward.
 
-When keys are rotated in place (:func:`cache_layer`): a length-independent rotation (not dynamic NTK or LongRoPE,
-whose rotation of a position changes with the current length, and not Self-Extend, which needs the keys unrotated),
-a cache layer that is not sliding and whose key tensor is the one attention received and memory the layer made
-itself (transformers' dynamic and static layers copy what they store), and slots indexed by position (a static
-cache's whole buffer too). Everything else takes the full path of before: every key rotated at every step, out of
-place. Queries are always rotated out of place: the query and key attention receives may be views of a projection's
-output, which a forward hook may hold and must find as the projection returned it.
+Keys are rotated in place (:func:`cache_layer`) for a length-independent rotation (not dynamic NTK, LongRoPE or
+Self-Extend), in a cache layer that is not sliding, whose key tensor is memory it made itself (transformers' layers
+copy what they store) and whose slots are indexed by position; everything else rotates every key at every step, out
+of place. Queries are always rotated out of place: they may be views of a projection's output that a forward hook
+holds.
 
 Why the record stays right: beam search (``reorder_cache``), ``batch_select_indices`` and ``batch_repeat_interleave``
 move rows, not positions; ``crop`` (assisted decoding) and ``reset`` shorten the layer, and only ``min(count,
@@ -22,10 +18,9 @@ cached length)`` slots are trusted; slots appended by anything else (a forward t
 model) are rotated when they are first seen. A cache layer whose keys require grad, or are inference tensors outside
 inference mode, is never written: its unrotated tail is rotated out of place at every step.
 
-What the record cannot protect: a cache rebuilt from its tensors (the record is lost and the keys would be rotated
-twice), and a model without hf_posswap's attention (a native model, or the model after ``hf_posswap.unswap``) that
-continues a cache a swapped model filled: it reads rotated keys. Swapped models check: a cache rotated with another
-rotation, or reaching a scheme that needs unrotated keys, is refused (:func:`refuse_foreign_rotation`).
+Not protected: a cache rebuilt from its tensors (the record is lost: keys rotated twice), and a model without
+hf_posswap's attention (native, or unswapped) continuing a cache a swapped model filled. Swapped models refuse a
+cache rotated otherwise, or reaching a scheme that needs unrotated keys (:func:`refuse_foreign_rotation`).
 """
 
 from __future__ import annotations
