@@ -32,6 +32,7 @@ from ..transformers_internals import (
     warn_if_untested,
 )
 from .context import CONTEXT_KWARG, PositionContext
+from .paths import DENSE, note_path
 from .rotary_cache import rotary_inputs
 from .self_extend import self_extend_attention
 
@@ -121,6 +122,7 @@ def scheme_inputs(
     if context.kind != "bias":
         return query, key, attention_mask
     scheme = context.positions
+    note_path(DENSE)
     query_pos, key_pos = context.query_key_positions(query.shape[2], key.shape[2], query.device)
     layer_idx = getattr(module, "layer_idx", 0) or 0
     causal = bool(getattr(module, "is_causal", True))
@@ -224,7 +226,10 @@ def fused_bias_attention(
         memo=context.memo,
         starts=starts,
     )
-    return context.positions.fused_attention(call)
+    output = context.positions.fused_attention(call)
+    if output is not None:
+        note_path(context.positions.fused_path)
+    return output
 
 
 def _needs_self_extend(module: nn.Module, query: torch.Tensor, context: PositionContext | None) -> bool:

@@ -33,6 +33,7 @@ from ..schemes.rope import apply_rotary
 from ..schemes.two_pass import TwoPassSettings
 from ..transformers_internals import attention_implementation
 from .context import PositionContext
+from .paths import SELF_EXTEND_CHUNKED, note_path
 
 #: logits (batch x heads x queries x keys) one query chunk holds at once: 2**24 values, 64 MiB in fp32
 CHUNK_ELEMENTS = 1 << 24
@@ -62,6 +63,7 @@ def self_extend_attention(
     holds more than one query chunk of logits.
     """
     keep = _returns_weights(module, kwargs)
+    note_path(SELF_EXTEND_CHUNKED)
     return chunked_self_extend(module, query, key, value, attention_mask, context, scaling, dropout, keep_weights=keep)
 
 

@@ -36,6 +36,7 @@ class AlibiBias(BiasPositions):
     -m_h * |i - j| for bidirectional (encoder) attention."""
 
     fused_min_queries = 1
+    fused_path = "fused-alibi"
 
     def __init__(self, slopes: torch.Tensor, trainable: bool) -> None:
         super().__init__()

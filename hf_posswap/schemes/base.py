@@ -207,6 +207,8 @@ class BiasPositions(nn.Module):
     #: the fewest queries a call needs before :meth:`fused_attention` may take it (None: the scheme has no fused
     #: form); the sdpa carrier skips building a :class:`FusedCall` for calls below it (decoding steps, for T5)
     fused_min_queries: ClassVar[int | None] = None
+    #: the name :mod:`hf_posswap.core.paths` records when :meth:`fused_attention` takes a call
+    fused_path: ClassVar[str] = "fused"
 
     def forward(
         self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool, memo: dict | None = None

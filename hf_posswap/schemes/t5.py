@@ -74,6 +74,7 @@ class T5RelativeBias(BiasPositions):
     """Learned bias tables ``[num_buckets, num_heads]``: one shared by all layers, or one per layer."""
 
     fused_min_queries = 2  # a decoding step's dense bias is one row per head, shared by every layer
+    fused_path = "fused-t5"
 
     def __init__(
         self, num_heads: int, num_layers: int, num_buckets: int, max_distance: int, shared_across_layers: bool

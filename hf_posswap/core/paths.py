@@ -1,0 +1,45 @@
+"""Which attention path each call took, for tests and benchmarks that must know (not guess) what ran.
+
+The carriers choose per call between exact forms of the same attention (the dense bias, a scheme's fused CPU
+form, ``flex_attention`` with a ``score_mod``, Self-Extend's chunked or merged passes); the numbers must agree, so
+a wrong choice shows up as speed or memory, never as a failed comparison. Recording the choice lets a test say
+"bf16 ALiBi on CUDA ran flex" and a benchmark print what it timed::
+
+    with record_paths() as paths:
+        model(input_ids)
+    assert set(paths) == {"flex"}
+
+Outside :func:`record_paths` nothing is kept (one attribute read per attention call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+#: path names used by the carriers (a test may compare against these)
+DENSE = "dense"  # the [B, H, q, kv] bias merged into the mask, eager or sdpa
+FUSED_ALIBI = "fused-alibi"  # schemes.fused_alibi: separable / Toeplitz forms through sdpa
+FUSED_T5 = "fused-t5"  # schemes.fused_t5: far parts + near band, merged by log-sum-exp
+FLEX = "flex"  # core.flex_bias: flex_attention with the scheme's score_mod and a BlockMask
+SELF_EXTEND_CHUNKED = "self-extend-chunked"  # core.self_extend: query chunks, both logits per chunk
+SELF_EXTEND_MERGED = "self-extend-merged"  # two fused attention calls merged by log-sum-exp
+
+_recorders: list[list[str]] = []
+
+
+def note_path(name: str) -> None:
+    """Record that one attention call took path ``name`` (no-op outside :func:`record_paths`)."""
+    if _recorders:
+        _recorders[-1].append(name)
+
+
+@contextlib.contextmanager
+def record_paths() -> Iterator[list[str]]:
+    """Collect the path of every attention call made inside the block, in call order."""
+    taken: list[str] = []
+    _recorders.append(taken)
+    try:
+        yield taken
+    finally:
+        _recorders.remove(taken)
