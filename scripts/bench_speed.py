@@ -191,8 +191,6 @@ def measure_rows(case: str, length: int, measure: str, native: torch.nn.Module, 
     except Exception as error:  # noqa: BLE001 - one failed measurement must not lose the others
         traceback.print_exception(error, file=sys.stderr)
         return [failed_row(case, length, measure, error, settings)]
-    finally:
-        release_cuda_memory(input_ids.device)
 
 
 def failed_row(case: str, length: int, measure: str, error: BaseException, settings: argparse.Namespace) -> dict:
@@ -230,10 +228,9 @@ def run(settings: argparse.Namespace, written: Callable[[list[dict]], None] = la
     for case in settings.cases:
         for length in settings.lengths:
             measures = plan(case, length, settings)
-            finished = not measures or run_case(case, length, measures, settings, add)
-            release_cuda_memory(settings.torch_device)  # the case's models are gone
-            if not finished:
+            if measures and not run_case(case, length, measures, settings, add):
                 return rows
+            release_cuda_memory(settings.torch_device)  # the case's models are gone
     return rows
 
 
@@ -257,6 +254,10 @@ def run_case(case: str, length: int, measures: list[str], settings: argparse.Nam
         if out_of_time(settings, f"{case} at {length:,} tokens, {measure}"):
             return False
         add(measure_rows(case, length, measure, native, patched, input_ids, settings))
+        if not release_cuda_memory(settings.torch_device):
+            settings.stopped = (f"stopped: the CUDA device failed during {case} at {length:,} tokens, {measure} (a "
+                                "kernel fault cannot be recovered in this process; rerun the cases after it)")
+            return False
     return True
 
 

@@ -184,12 +184,19 @@ def cuda_peak(model: PreTrainedModel, step: Callable[[PreTrainedModel], object],
     return {"peak_mb": peak / 2**20, "over_idle_mb": (peak - idle) / 2**20}
 
 
-def release_cuda_memory(device: torch.device) -> None:
+def release_cuda_memory(device: torch.device) -> bool:
     """Give cached blocks back after a case or a failed (e.g. out-of-memory) step, so the next starts clean (a
-    failed step's traceback may hold tensors in reference cycles, hence the collection)."""
-    if device.type == "cuda":
-        gc.collect()
+    failed step's traceback may hold tensors in reference cycles, hence the collection). False when the device
+    itself failed: after a kernel fault (illegal memory access) every later CUDA call in this process fails too."""
+    if device.type != "cuda":
+        return True
+    gc.collect()
+    try:
+        torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - torch.AcceleratorError, RuntimeError: the context is gone, whatever the type
+        return False
+    return True
 
 
 def memory_probe(family: str, scheme: str | None, length: int, shape: dict, threads: int,

@@ -643,6 +643,22 @@ def test_bench_speed_stops_at_its_budget_and_keeps_what_it_measured(tmp_path, mo
     assert json.loads(path.read_text(encoding="utf-8"))["rows"] == []
 
 
+def test_bench_speed_stops_when_the_device_fails_and_keeps_the_failed_row(tmp_path, monkeypatch) -> None:
+    """A kernel fault (CUDA illegal memory access) leaves the process unable to use the device: the failed row is
+    written, then the run stops and says why, instead of failing every later case (or crashing without rows)."""
+    def fault(case: str, length: int, measure: str, *args) -> list[dict]:
+        return [{**_canned(case, length, measure)[0], "ratio": None, "error": "AcceleratorError: illegal memory"}]
+
+    monkeypatch.setattr(bench_speed, "measure_rows", fault)
+    monkeypatch.setattr(bench_speed, "release_cuda_memory", lambda device: False)
+    path = tmp_path / "speed.json"
+    assert bench_speed.main(["--quick", "--cases", "llama-t5", "bert-t5", "--lengths", "16", "--json", str(path)]) == 0
+    record = json.loads(path.read_text(encoding="utf-8"))
+    assert [(r["case"], r["measure"], r["error"]) for r in record["rows"]] == [
+        ("llama-t5", "forward", "AcceleratorError: illegal memory")]
+    assert record["stopped"].startswith("stopped: the CUDA device failed during llama-t5 at 16 tokens, forward")
+
+
 def test_bench_speed_on_cuda_needs_a_device_and_keeps_cpu_flags_off_it(capsys, monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as raised:
