@@ -298,7 +298,7 @@ def test_attention_holds_one_query_chunk(monkeypatch: pytest.MonkeyPatch) -> Non
     with torch.no_grad(), LargestTensor() as merged:
         fused = model(input_ids=input_ids).logits
     assert merged.largest < HEADS * length * length
-    monkeypatch.setattr(self_extend, "MERGED_MIN_QUERIES", length + 1)  # every call chunked
+    monkeypatch.setattr(self_extend, "MERGED_MIN_QUERIES", {"cpu": length + 1})  # every call chunked
     with torch.no_grad(), LargestTensor() as whole:
         expected = model(input_ids=input_ids).logits
     assert whole.largest >= HEADS * length * length

@@ -45,32 +45,34 @@ LAYOUTS = {
 }
 
 
-def make_context(settings: tuple, offset: int) -> PositionContext:
+def make_context(settings: tuple, offset: int, head_dim: int = HEAD_DIM) -> PositionContext:
     spec = ps.schemes.ModelSpec(
-        model_type="test", hidden_size=HEADS * HEAD_DIM, num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM, is_causal=True, max_positions=MAX_POSITIONS, initializer_range=0.02,
+        model_type="test", hidden_size=HEADS * head_dim, num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS,
+        head_dim=head_dim, is_causal=True, max_positions=MAX_POSITIONS, initializer_range=0.02,
         native_rope_theta=None, dtype=torch.float32, device=torch.device("cpu"),
     )
     rotary = ps.RopeConfig(rope_theta=100.0).build(spec)
     return PositionContext(rotary, "rotary", offset, lambda module: True, True, settings)
 
 
-def layout_case(name: str, settings: tuple, dtype: torch.dtype = torch.float32) -> tuple:
+def layout_case(name: str, settings: tuple, dtype: torch.dtype = torch.float32, head_dim: int = HEAD_DIM) -> tuple:
     """(q, k, v, causal bool mask or None, context) of one layout."""
     batch, q_len, kv_len, offset = LAYOUTS[name]
     query, key, value = (t.to(dtype) for t in tensors(batch, q_len, kv_len))
+    if head_dim != HEAD_DIM:  # flex_attention on CUDA takes head dims of 16 and more
+        query, key, value = (t.repeat_interleave(head_dim // HEAD_DIM, -1) for t in (query, key, value))
     mask = None
     if kv_len > offset + q_len:  # a static cache: keys past the last query are empty slots
         mask = bool_mask(torch.ones(batch, offset + q_len, dtype=torch.long), True, q_len)
         mask = torch.nn.functional.pad(mask, (0, kv_len - offset - q_len))
-    return query, key, value, mask, make_context(settings, offset)
+    return query, key, value, mask, make_context(settings, offset, head_dim)
 
 
-def flex_uncompiled(near: tuple, far: tuple, value: torch.Tensor, layout: Any, scale: float, memo: Any = None):
+def flex_uncompiled(near: tuple, far: tuple, value: torch.Tensor, layout: Any, scale: float) -> torch.Tensor:
     """The CUDA form's logic with the eager flex_attention (its CPU reference implementation)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return two_pass_fused.flex_two_pass(near, far, value, layout, scale, memo, attend=flex_attention)
+    return two_pass_fused.flex_two_pass(near, far, value, layout, scale, attend=flex_attention)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -138,7 +140,7 @@ def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
 
 
 def chunked_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(self_extend, "MERGED_MIN_QUERIES", 1 << 30)
+    monkeypatch.setattr(self_extend, "MERGED_MIN_QUERIES", dict.fromkeys(("cpu", "cuda"), 1 << 30))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -254,17 +256,21 @@ def test_a_float_mask_or_one_hiding_more_than_the_future_stays_chunked() -> None
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("settings", ["self-extend", "self-extend-exact-within-original", "leaky-rerope"])
 def test_cuda_flex_equals_chunked_forward_and_backward(settings: str, layout: str) -> None:
-    query, key, value, mask, context = layout_case(layout, SETTINGS[settings], torch.float64)
+    """Prefill layouts through the dispatch; a decoding step (chunked there by default) called directly."""
+    query, key, value, mask, context = layout_case(layout, SETTINGS[settings], torch.float64, head_dim=16)
     device = torch.device("cuda")
     inputs = [t.to(device, torch.float32).requires_grad_() for t in (query, key, value)]
     context.positions = context.positions.to(device)
     mask = mask.to(device) if mask is not None else None
     expected, _ = chunked_self_extend(attention_module(), *inputs, mask, context, SCALE)
     expected_grads = torch.autograd.grad(expected.square().sum(), inputs)
-    with record_paths() as paths:
-        output, _ = self_extend.self_extend_attention(
-            attention_module(implementation="posswap_sdpa"), *inputs, mask, context, SCALE)
-    assert paths == [SELF_EXTEND_MERGED]
+    if layout == "decode":
+        output = merged_self_extend(*inputs, context, SCALE)
+    else:
+        with record_paths() as paths:
+            output, _ = self_extend.self_extend_attention(
+                attention_module(implementation="posswap_sdpa"), *inputs, mask, context, SCALE)
+        assert paths == [SELF_EXTEND_MERGED]
     grads = torch.autograd.grad(output.square().sum(), inputs)
     torch.testing.assert_close(output, expected, atol=1e-4, rtol=1e-3)
     for grad, expected_grad in zip(grads, expected_grads, strict=True):

@@ -80,9 +80,12 @@ def self_extend_attention(
 #: dtypes the merged path runs in, per device (the CPU fused kernel's, and flex_attention's)
 MERGED_DTYPES = {"cpu": (torch.float32, torch.float64, torch.bfloat16), "cuda": (torch.float32, torch.bfloat16,
                                                                                torch.float16)}
-#: fewest queries for the merged path (decoding steps too: on CPU, one query after 8,192 keys ran in 0.7-0.8x the
-#: chunked path's time, the same after 2,048)
-MERGED_MIN_QUERIES = 1
+#: fewest queries for the merged path, per device. CPU: decoding steps too (one query after 8,192 keys ran in
+#: 0.7-0.8x the chunked path's time). CUDA: prefill only (a decoding step after 8,192 keys took 10.1 ms merged,
+#: 7.3 ms chunked, bf16 on an H200)
+MERGED_MIN_QUERIES = {"cpu": 1, "cuda": 2}
+#: flex_attention's smallest head dimension (its CUDA kernels refuse smaller ones)
+FLEX_MIN_HEAD_DIM = 16
 
 
 def _takes_merged_path(
@@ -95,10 +98,13 @@ def _takes_merged_path(
     dropout: float,
 ) -> bool:
     """Whether the call can run as two fused calls (:func:`merged_self_extend`): causal, index positions (no padding,
-    no per-row positions), no mask beyond causality, no dropout, a supported device and dtype, no autocast, and on
-    CPU no gradient (its fused kernel gives none through the log-sum-exp)."""
+    no per-row positions), no mask beyond causality, no dropout, a supported device and dtype, no autocast, enough
+    queries (:data:`MERGED_MIN_QUERIES`), on CUDA a head dimension flex_attention takes, and on CPU no gradient
+    (its fused kernel gives none through the log-sum-exp)."""
     device = query.device.type
-    if not getattr(module, "is_causal", True) or device not in MERGED_DTYPES or query.shape[2] < MERGED_MIN_QUERIES:
+    if not getattr(module, "is_causal", True) or device not in MERGED_DTYPES:
+        return False
+    if query.shape[2] < MERGED_MIN_QUERIES[device] or (device == "cuda" and query.shape[-1] < FLEX_MIN_HEAD_DIM):
         return False
     if (dropout > 0 and module.training) or torch.is_autocast_enabled(device):
         return False
@@ -150,7 +156,7 @@ def merged_self_extend(
         far_from=max(0, settings.start - context.query_offset),
     )
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return fused_two_pass(near, far, value, layout, scale, context.memo).contiguous()
+    return fused_two_pass(near, far, value, layout, scale).contiguous()
 
 
 def _returns_weights(module: nn.Module, kwargs: dict[str, Any]) -> bool:

@@ -62,13 +62,12 @@ def fused_two_pass(
     value: torch.Tensor,
     layout: TwoPassLayout,
     scale: float,
-    memo: dict | None = None,
 ) -> torch.Tensor:
     """Output [B, q, H, Dv] from (query [B, H, q, D], key [B, Hkv, kv, D]) rotated exactly (``near``) and by the
     far positions (``far``), value [B, Hkv, kv, Dv]: the CPU kernel on CPU, flex_attention elsewhere."""
     if near[0].device.type == "cpu":
         return cpu_two_pass(near, far, value, layout, scale)
-    return flex_two_pass(near, far, value, layout, scale, memo=memo)
+    return flex_two_pass(near, far, value, layout, scale)
 
 
 # -- merging ------------------------------------------------------------------------------------------------------
@@ -216,9 +215,11 @@ def compiled_two_pass_flex() -> TwoPassKernel:
     return torch.compile(flex_attention)
 
 
+@functools.lru_cache(maxsize=4)
 def _flex_masks(layout: TwoPassLayout, device: torch.device) -> tuple:
     """BlockMasks of the neighbour set (0 <= t - j < W; every t - j >= 0 before ``far_from``) and the far set
-    (t - j >= W, queries from ``far_from``).
+    (t - j >= W, queries from ``far_from``); the last few kept (every layer of a forward, and repeated lengths,
+    share them).
     The layout's numbers enter the mask functions as tensors, so a compiled kernel is not specialised on them."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -252,16 +253,12 @@ def flex_two_pass(
     value: torch.Tensor,
     layout: TwoPassLayout,
     scale: float,
-    memo: dict | None = None,
     attend: TwoPassKernel | None = None,
 ) -> torch.Tensor:
     """The merged attention with ``flex_attention`` (``attend``: default the compiled one; the uncompiled one runs
     on CPU, for tests): output [B, q, H, Dv], differentiable. Far rows without far keys get log-sum-exp -inf and
     output 0 from flex, so they take the neighbour output unchanged."""
-    memo = {} if memo is None else memo
-    masks = memo.get(("two-pass-flex-masks", layout, near[0].device))
-    if masks is None:
-        masks = memo[("two-pass-flex-masks", layout, near[0].device)] = _flex_masks(layout, near[0].device)
+    masks = _flex_masks(layout, near[0].device)
     attend = attend or compiled_two_pass_flex()
     near_out, near_lse = _flex_call(attend, near[0], near[1], value, masks[0], scale)
     if layout.far_rows() >= layout.q_len:
