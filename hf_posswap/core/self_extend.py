@@ -21,9 +21,9 @@ log-sum-exp (:mod:`hf_posswap.core.two_pass_fused`), at about the cost of one fu
 other call (padding, per-row positions, bidirectional, weights, CPU training): the queries are processed in chunks,
 so no ``[B, H, q, kv]`` tensor exists unless attention weights are returned (the eager carrier, or
 ``output_attentions=True``): a chunk holds at most :data:`CHUNK_ELEMENTS` logits (64 MiB in fp32) plus a few
-tensors of the same size. Within a chunk, keys that every query of the chunk groups
-get only the grouped logit, keys past the last query of a causal chunk (unmasked case) are skipped, and chunks
-that group no pair get only the neighbour logit.
+tensors of the same size. Within a chunk, keys that every query of the chunk groups get only the grouped logit,
+keys past the last query of a causal chunk (unmasked case) are skipped, and chunks that group no pair get only the
+neighbour logit.
 """
 
 from __future__ import annotations
