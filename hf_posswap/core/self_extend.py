@@ -81,8 +81,8 @@ def self_extend_attention(
 MERGED_DTYPES = {"cpu": (torch.float32, torch.float64, torch.bfloat16), "cuda": (torch.float32, torch.bfloat16,
                                                                                torch.float16)}
 #: fewest queries for the merged path, per device. CPU: decoding steps too (one query after 8,192 keys ran in
-#: 0.7-0.8x the chunked path's time). CUDA: prefill only (a decoding step after 8,192 keys took 10.1 ms merged,
-#: 7.3 ms chunked, bf16 on an H200)
+#: 0.7-0.9x the chunked path's time, 2 threads). CUDA: prefill only (a decoding step after 8,192 keys took
+#: 10.1 ms merged, 7.3 ms chunked, bf16 on an H200)
 MERGED_MIN_QUERIES = {"cpu": 1, "cuda": 2}
 #: flex_attention's smallest head dimension (its CUDA kernels refuse smaller ones)
 FLEX_MIN_HEAD_DIM = 16
