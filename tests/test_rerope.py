@@ -291,10 +291,14 @@ def test_standalone_export_loads_without_hf_posswap(tmp_path: Path) -> None:
 
 def test_attention_holds_one_query_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     """Self-Extend's query-chunked path runs ReRoPE too: with 25 queries per chunk no intermediate reaches
-    [B, H, q, kv] (which the probe sees when one chunk holds every query)."""
+    [B, H, q, kv] (which the probe sees when one chunk holds every query); nor does the merged path's."""
     length = 100
     input_ids = tokens(1, length)
     model = extended("llama", "rerope")
+    with torch.no_grad(), LargestTensor() as merged:
+        fused = model(input_ids=input_ids).logits
+    assert merged.largest < HEADS * length * length
+    monkeypatch.setattr(self_extend, "MERGED_MIN_QUERIES", {"cpu": length + 1})  # every call chunked
     with torch.no_grad(), LargestTensor() as whole:
         expected = model(input_ids=input_ids).logits
     assert whole.largest >= HEADS * length * length
@@ -303,6 +307,7 @@ def test_attention_holds_one_query_chunk(monkeypatch: pytest.MonkeyPatch) -> Non
         logits = model(input_ids=input_ids).logits
     assert chunked.largest < HEADS * length * length
     torch.testing.assert_close(logits, expected, **TOLERANCE)
+    torch.testing.assert_close(fused, expected, **TOLERANCE)
 
 
 BAD_OPTIONS = {
