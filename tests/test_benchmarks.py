@@ -593,7 +593,7 @@ def test_bench_speed_runs_in_bfloat16_and_writes_its_rows_as_json(tmp_path) -> N
     assert [(r["case"], r["measure"]) for r in record["rows"]] == [
         ("llama-kerple", "forward"), ("llama-kerple", "decode"), ("llama-self-extend", "forward")]
     kerple, _, self_extend = record["rows"]
-    assert kerple["paths"] == ["dense"] and self_extend["paths"] == ["self-extend-chunked"]
+    assert kerple["paths"] == ["dense"] and self_extend["paths"] == ["self-extend-merged"]
     assert all(r["native"] > 0 and r["patched"] > 0 and r["first_native"] > 0 for r in record["rows"])
     model = bench_speed.build("llama", bench_speed.QUICK_SHAPE, 32, dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
