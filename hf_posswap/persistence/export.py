@@ -29,7 +29,8 @@ BUNDLED = (
     "schemes/proportional",
     "families/base", "families/gpt2", "families/bert", "families/llama", "families/gemma3",
     "families/phi3", "families/gpt_neox", "families/roberta", "core/state", "core/native", "core/rotation",
-    "core/rotary_cache", "core/context", "core/paths", "core/self_extend", "core/attention", "core/mix", "core/swap", "core/extend",
+    "core/rotary_cache", "core/context", "core/paths", "core/self_extend", "core/flex_bias", "core/attention",
+    "core/mix", "core/swap", "core/extend",
     "persistence/autoload", "persistence/restore",
 )
 _RELATIVE_IMPORT = re.compile(r"^[ \t]*from \.+[\w.]* import (\([^)]*\)|[^\n]*)\n", re.MULTILINE)
