@@ -43,6 +43,11 @@ class NotSwappedError(PosSwapError, RuntimeError):
     """``unswap`` on a model that was never swapped."""
 
 
+class FlexAttentionError(PosSwapError, RuntimeError):
+    """Compiled ``flex_attention`` failed on a call the flex path took (rather than silently running another
+    implementation of the same attention)."""
+
+
 def closest_hint(name: str, choices: Iterable[str]) -> str:
     """Return ``" Did you mean 'x'?"`` for the closest choice, or an empty string."""
     matches = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)

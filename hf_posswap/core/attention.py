@@ -32,7 +32,8 @@ from ..transformers_internals import (
     warn_if_untested,
 )
 from .context import CONTEXT_KWARG, PositionContext
-from .paths import DENSE, note_path
+from .flex_bias import flex_applies, flex_bias_output, flex_spec
+from .paths import DENSE, FLEX, note_path
 from .rotary_cache import rotary_inputs
 from .self_extend import self_extend_attention
 
@@ -169,14 +170,22 @@ def head_mix_inputs(
     """A head mix (:mod:`hf_posswap.schemes.head_mix`): rotary heads of q [B, H, q, D] and k [B, Hkv, kv, D] rotated
     (every key, out of place: the cache keeps keys unrotated, since only some heads rotate), the bias of the bias
     heads (zero on the others) merged into the mask."""
+    query, key = head_mix_rotation(module, query, key, context)
+    bias = dataclasses.replace(context, positions=context.positions.bias, kind="bias")
+    return scheme_inputs(module, query, key, attention_mask, bias)
+
+
+def head_mix_rotation(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, context: PositionContext
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, q, D] and k [B, Hkv, kv, D] with a head mix's rotary heads rotated, the bias heads as they were."""
     scheme = context.positions
     rotary = dataclasses.replace(context, positions=scheme.rotary, kind="rotary", cache=None)
     rotated_query, rotated_key = rotary_inputs(module, query, key, rotary)
     rotary_heads, rotary_kv_heads = scheme.rotary_heads(query.device)  # [H], [Hkv]
     query = torch.where(rotary_heads[:, None, None], rotated_query, query)
     key = torch.where(rotary_kv_heads[:, None, None], rotated_key, key)
-    bias = dataclasses.replace(context, positions=scheme.bias, kind="bias")
-    return scheme_inputs(module, query, key, attention_mask, bias)
+    return query, key
 
 
 def temperature_queries(query: torch.Tensor, context: PositionContext) -> torch.Tensor:
@@ -186,6 +195,69 @@ def temperature_queries(query: torch.Tensor, context: PositionContext) -> torch.
     scales = context.positions(positions)  # float32, same shape
     scales = scales[None, None, :, None] if scales.dim() == 1 else scales[:, None, :, None]  # [1 or B, 1, q, 1]
     return (query * scales).to(query.dtype)
+
+
+def bias_call(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    context: PositionContext,
+    scaling: float | None,
+    dropout: float,
+) -> FusedCall:
+    """One self-attention call of a bias scheme as its fused and flex forms see it (positions from the context)."""
+    query_pos, key_pos = context.query_key_positions(query.shape[2], key.shape[2], query.device)
+    starts = (context.query_offset, context.key_start(query.shape[2], key.shape[2])) if query_pos.dim() == 1 else None
+    return FusedCall(
+        query=query,
+        key=key,
+        value=value,
+        attention_mask=attention_mask,
+        query_pos=query_pos,
+        key_pos=key_pos,
+        layer_idx=getattr(module, "layer_idx", 0) or 0,
+        causal=bool(getattr(module, "is_causal", True)),
+        scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
+        dropout=dropout if module.training else 0.0,
+        memo=context.memo,
+        starts=starts,
+    )
+
+
+def flex_bias_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    context: PositionContext | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """Output [B, q, H, D] through ``flex_attention`` with the bias scheme's elementwise bias
+    (:mod:`~hf_posswap.core.flex_bias`), or None when the call does not take flex (then the fused or dense paths
+    run). Bias schemes and the bias part of head mixes (their rotary heads rotated first) qualify."""
+    if context is None or context.positions is None or context.kind not in ("bias", "head_mix"):
+        return None
+    effective_dropout = dropout if module.training else 0.0
+    if not context.is_self_attention(module) or not flex_applies(query, key, value, attention_mask, effective_dropout):
+        return None
+    scheme = context.positions.bias if context.kind == "head_mix" else context.positions
+    if getattr(scheme, "flex_bias", None) is None:
+        return None
+    call = bias_call(module, query, key, value, attention_mask, context, scaling, dropout)
+    spec = flex_spec(call)
+    bias = scheme.flex_bias(spec)
+    if bias is None:
+        return None
+    if context.kind == "head_mix":
+        call.query, call.key = head_mix_rotation(module, query, key, context)
+    output = flex_bias_output(call, bias, spec)
+    note_path(FLEX)
+    return output
 
 
 def fused_bias_attention(
@@ -210,22 +282,7 @@ def fused_bias_attention(
     # matmuls: the dense path, which sdpa runs under autocast as it always did, is the safe one there
     if torch.is_autocast_enabled(query.device.type) or not query.dtype == key.dtype == value.dtype:
         return None
-    query_pos, key_pos = context.query_key_positions(query.shape[2], key.shape[2], query.device)
-    starts = (context.query_offset, context.key_start(query.shape[2], key.shape[2])) if query_pos.dim() == 1 else None
-    call = FusedCall(
-        query=query,
-        key=key,
-        value=value,
-        attention_mask=attention_mask,
-        query_pos=query_pos,
-        key_pos=key_pos,
-        layer_idx=getattr(module, "layer_idx", 0) or 0,
-        causal=bool(getattr(module, "is_causal", True)),
-        scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
-        dropout=dropout if module.training else 0.0,
-        memo=context.memo,
-        starts=starts,
-    )
+    call = bias_call(module, query, key, value, attention_mask, context, scaling, dropout)
     output = context.positions.fused_attention(call)
     if output is not None:
         note_path(context.positions.fused_path)
@@ -242,7 +299,8 @@ def _needs_self_extend(module: nn.Module, query: torch.Tensor, context: Position
 
 def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], fused: bool) -> Callable[..., Any]:
     """The attention function that reads the position context, then runs ``inner`` (eager or sdpa); with ``fused``,
-    a bias scheme's fused form runs instead where it has one (sdpa returns no weights, so nothing is lost)."""
+    flex attention (:mod:`~hf_posswap.core.flex_bias`) or a bias scheme's fused form runs instead where one takes the
+    call (sdpa returns no weights, so nothing is lost)."""
 
     def posswap_attention(
         module: nn.Module,
@@ -259,8 +317,10 @@ def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], fus
             context = context.for_layer(module)  # a layer mix: this layer's part
         if _needs_self_extend(module, query, context):
             return self_extend_attention(module, query, key, value, attention_mask, context, **kwargs)
-        if fused:
-            output = fused_bias_attention(module, query, key, value, attention_mask, context, **kwargs)
+        if fused:  # flex first (CUDA, any bias scheme), then a scheme's own fused CPU form
+            output = flex_bias_attention(module, query, key, value, attention_mask, context, **kwargs)
+            if output is None:
+                output = fused_bias_attention(module, query, key, value, attention_mask, context, **kwargs)
             if output is not None:
                 return output, None
         query, key, attention_mask = scheme_inputs(module, query, key, attention_mask, context)

@@ -8,7 +8,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import BiasPositions, FusedCall, ModelSpec, SchemeConfig, register_scheme, require_bool
+from .base import (
+    BiasPositions,
+    FlexBias,
+    FlexSpec,
+    FusedCall,
+    ModelSpec,
+    SchemeConfig,
+    register_scheme,
+    require_bool,
+    spread,
+)
 from .fused_alibi import alibi_attention
 
 
@@ -61,6 +71,20 @@ class AlibiBias(BiasPositions):
         """Attention without the dense bias (``fused_alibi``): the separable form when causal, a strided Toeplitz
         view of the bias when bidirectional; None (dense path) for half precision and layouts it does not handle."""
         return alibi_attention(call, self.slopes, self)
+
+    def flex_bias(self, spec: FlexSpec) -> FlexBias:
+        """``m_h (j - i)``, or ``-m_h |j - i|`` when bidirectional, elementwise (as :meth:`forward`, float32)."""
+        slopes = spread(self.slopes.to(torch.float32), spec.lanes)  # [H, lanes]; trainable slopes keep their graph
+
+        def causal_bias(head: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
+                        lane: torch.Tensor) -> torch.Tensor:
+            return slopes[head, lane] * (key_pos - query_pos).to(torch.float32)
+
+        def symmetric_bias(head: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
+                           lane: torch.Tensor) -> torch.Tensor:
+            return -slopes[head, lane] * (key_pos - query_pos).abs().to(torch.float32)
+
+        return causal_bias if spec.causal else symmetric_bias
 
     def extra_repr(self) -> str:
         return f"num_heads={self.slopes.shape[0]}, trainable={isinstance(self.slopes, nn.Parameter)}"

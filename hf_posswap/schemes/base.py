@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -19,6 +20,12 @@ from ..errors import InvalidConfigError, InvalidOptionError, UnknownSchemeError,
 from ..registry import Registry
 
 SchemeKind = Literal["absolute", "rotary", "bias", "none"]
+#: a bias as one elementwise function for ``flex_attention``'s ``score_mod``: (query head h, query position, key
+#: position, lane) -> the logit bias, float32 (see :meth:`BiasPositions.flex_bias`). Arguments are scalar int tensors
+#: inside the kernel, or any broadcasting int tensors outside it; the function combines tensors it captured with
+#: elementwise ops and gathers, and gathers each captured tensor that needs a gradient once (compiled flex refuses
+#: a second gather of it).
+FlexBias = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: set on a native module (and its parameters) that a reloaded swapped model re-created with random weights
 FRESH_MARK = "_posswap_fresh_native"
@@ -223,6 +230,46 @@ class BiasPositions(nn.Module):
         return the attention weights, always takes the dense path, so eager = sdpa checks every fused form.
         """
         return None
+
+    def flex_bias(self, spec: FlexSpec) -> FlexBias | None:
+        """This scheme's bias as an elementwise function (:data:`FlexBias`) equal to :meth:`forward` at every
+        (head, query position, key position), for ``flex_attention`` (:mod:`hf_posswap.core.flex_bias`); None: not
+        expressible (the default), and the fused or dense paths run.
+
+        Captured tensors keep their graph: compiled ``flex_attention`` on CUDA returns gradients for them, by one
+        atomic add per (batch, head, query, key) into the captured tensor's gradient. A parameter gathered by head
+        alone would take every add of a head at one address, so parameters are captured spread over ``spec.lanes``
+        copies (:func:`spread`) and gathered at ``[..., lane]``: the adds of a block of 128 x 128 scores then go to
+        many addresses, and autograd sums the copies.
+        """
+        return None
+
+
+@dataclass(frozen=True)
+class FlexSpec:
+    """What a bias scheme's :meth:`BiasPositions.flex_bias` knows of the call it serves."""
+
+    layer_idx: int
+    causal: bool
+    #: the largest ``|key position - query position|`` over every (query, key) pair of the call, masked pairs
+    #: included (the kernel evaluates the function on whole blocks and masks afterwards): how long a table over
+    #: relative positions must be
+    reach: int
+    #: (least, greatest) query position of the call: the span of a table over query positions
+    query_range: tuple[int, int]
+    device: torch.device
+    #: how many copies of a parameter to gather from (1: no gradient is needed); ``lane % 128`` is the key's index
+    #: within its block of 128, so a table over relative positions (whose adds already spread along diagonals)
+    #: spreads over min(lanes, 128) copies
+    lanes: int = 1
+
+
+def spread(values: torch.Tensor, lanes: int) -> torch.Tensor:
+    """values [...] -> [..., lanes]: each value repeated along a new last dimension. Gathered at ``[..., lane]`` in
+    a score_mod it reads the value; its gradient in compiled flex is accumulated per lane, and autograd sums the
+    lanes into ``values``' gradient (see :meth:`BiasPositions.flex_bias`). A contiguous copy, not an expanded view:
+    flex's backward (aot_eager on CPU, torch 2.13) returns no gradient for a captured view."""
+    return values[..., None].expand(*values.shape, lanes).clone()
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidConfigError
-from .base import SCHEME_REGISTRY, ModelSpec, SchemeConfig, scheme_config_from_dict
+from .base import SCHEME_REGISTRY, FlexBias, FlexSpec, ModelSpec, SchemeConfig, scheme_config_from_dict
 
 
 class HeadSelectedBias(nn.Module):
@@ -39,6 +39,21 @@ class HeadSelectedBias(nn.Module):
         bias = self.bias(query_pos, key_pos, layer_idx, causal, memo)  # [1 or B, H, q, kv]
         keep = torch.tensor(self.keep, dtype=bias.dtype, device=bias.device)  # [H]
         return bias * keep[:, None, None]
+
+    def flex_bias(self, spec: FlexSpec) -> FlexBias | None:
+        """The bias scheme's elementwise bias times 1 on bias heads, 0 on the others (as :meth:`forward`); None
+        when the bias scheme has none."""
+        inner_of = getattr(self.bias, "flex_bias", None)
+        inner = inner_of(spec) if inner_of is not None else None
+        if inner is None:
+            return None
+        keep = torch.tensor(self.keep, dtype=torch.float32, device=spec.device)  # [H]
+
+        def bias(head: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
+                 lane: torch.Tensor) -> torch.Tensor:
+            return keep[head] * inner(head, query_pos, key_pos, lane)
+
+        return bias
 
 
 class HeadMixPositions(nn.Module):

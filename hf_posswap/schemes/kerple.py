@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidConfigError
-from .base import BiasPositions, ModelSpec, SchemeConfig, register_scheme
+from .base import BiasPositions, FlexBias, FlexSpec, ModelSpec, SchemeConfig, register_scheme, spread
 
 KERPLE_VARIANTS = ("log", "power")
 #: the authors' floor on r1, r2 (their code clamps both to >= 1e-2 after every step)
@@ -76,6 +76,30 @@ class KerpleBias(BiasPositions):
         else:
             bias = -r1 * distance.pow(r2)
         return bias if bias.dim() == 4 else bias.unsqueeze(0)
+
+    def flex_bias(self, spec: FlexSpec) -> FlexBias:
+        """The kernel of :meth:`forward`, elementwise (float32). The power variant reads ``|i - j| ** r2`` through
+        a base of 1 at distance 0 (then masked to 0, the value ``0 ** r2`` has): ``d/dr2 0 ** r2 = 0 * log 0`` would
+        be NaN in a compiled backward, while the dense path's ``pow`` backward returns 0 there."""
+        r1, r2 = (spread(value, spec.lanes) for value in self.coefficients())  # [H, lanes] each, with their graph
+        causal = spec.causal
+
+        def distance_of(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+            distance = (query_pos - key_pos).to(torch.float32)  # i - j
+            return distance.clamp(min=0) if causal else distance.abs()
+
+        def log_bias(head: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
+                     lane: torch.Tensor) -> torch.Tensor:
+            return -r1[head, lane] * torch.log1p(r2[head, lane] * distance_of(query_pos, key_pos))
+
+        def power_bias(head: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
+                       lane: torch.Tensor) -> torch.Tensor:
+            distance = distance_of(query_pos, key_pos)
+            away = distance > 0
+            powered = torch.pow(torch.where(away, distance, torch.ones_like(distance)), r2[head, lane])
+            return torch.where(away, -r1[head, lane] * powered, torch.zeros_like(powered))
+
+        return log_bias if self.variant == "log" else power_bias
 
     def extra_repr(self) -> str:
         return f"variant={self.variant!r}, num_heads={self.raw_r1.shape[0]}"

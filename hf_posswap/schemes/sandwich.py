@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidConfigError
-from .base import BiasPositions, ModelSpec, SchemeConfig, register_scheme, require_frequency_base
+from .base import BiasPositions, FlexBias, FlexSpec, ModelSpec, SchemeConfig, register_scheme, require_frequency_base
+from .kept_rows import kept_row
 
 
 def sandwich_distance_table(count: int, dim: int, base: float, num_heads: int, device: torch.device) -> torch.Tensor:
@@ -55,6 +56,24 @@ class SandwichBias(BiasPositions):
                                         distance.device)  # [H, max distance + 1]
         bias = table[:, distance]  # [H, ..., q, kv]
         return bias.movedim(0, -3) if bias.dim() == 4 else bias.unsqueeze(0)
+
+    def flex_bias(self, spec: FlexSpec) -> FlexBias:
+        """The distance table gathered at ``|i - j|``, elementwise: a row ``[H, 2 span + 1]`` over relative positions
+        -span .. span (span >= reach), kept on the module across calls (:mod:`~hf_posswap.schemes.kept_rows`; it
+        depends on nothing trainable), so its shape changes only when a longer input doubles it."""
+
+        def build(relative: torch.Tensor) -> torch.Tensor:  # [2 span + 1] -> [H, 2 span + 1]
+            span = int(relative[-1])
+            table = sandwich_distance_table(span + 1, self.dim, self.base, self.num_heads, relative.device)
+            return table[:, relative.abs()]
+
+        row, span = kept_row(self, "sandwich-flex", None, spec.reach, build, torch.device(spec.device))
+
+        def bias(head: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
+                 lane: torch.Tensor) -> torch.Tensor:
+            return row[head, (key_pos - query_pos).clamp(-span, span) + span]
+
+        return bias
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, dim={self.dim}, base={self.base}"

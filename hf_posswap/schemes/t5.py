@@ -14,12 +14,15 @@ from torch import nn
 from ..errors import InvalidConfigError
 from .base import (
     BiasPositions,
+    FlexBias,
+    FlexSpec,
     FusedCall,
     ModelSpec,
     SchemeConfig,
     register_scheme,
     require_bool,
     require_int_at_least,
+    spread,
 )
 from .fused_t5 import Plan, fused_t5_attention, plan_attention, saturation_distance
 from .kept_rows import kept_row, row_copy, row_slice
@@ -153,6 +156,26 @@ class T5RelativeBias(BiasPositions):
         reach = max(-first, first + kv_len - 1)
         row, span = kept_row(self, ("t5-bias", causal, id(table)), table.weight, reach, bias_row)
         return row_copy(row, span, first, kv_len)[None, :, None, :]
+
+    def flex_bias(self, spec: FlexSpec) -> FlexBias:
+        """The table's bias gathered at the relative position, elementwise: exact, since every relative position
+        at or past ``max_distance`` (either side) falls in its direction's last bucket (the log-spaced buckets stop
+        there), so relative positions clamped to [-max_distance, max_distance] give the same buckets.
+
+        The captured row ``[H, 2 M + 1, lanes]`` (``row[h, M + v]``: head h's bias at relative position v, M =
+        max_distance) is gathered from the table with autograd, so the table's gradient flows through it."""
+        table = self.tables[0] if len(self.tables) == 1 else self.tables[spec.layer_idx]
+        limit = self.max_distance
+        buckets = row_slice(*self._bucket_row(limit, spec.causal), -limit, 2 * limit + 1)  # [2 M + 1]
+        row = table.weight.to(torch.float32).t()[:, buckets.to(table.weight.device)]  # [H, 2 M + 1]
+        lanes = min(spec.lanes, 128)  # the adds of one relative position already spread along a diagonal
+        row = spread(row, lanes)  # [H, 2 M + 1, lanes]
+
+        def bias(head: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
+                 lane: torch.Tensor) -> torch.Tensor:
+            return row[head, (key_pos - query_pos).clamp(-limit, limit) + limit, lane % lanes]
+
+        return bias
 
     def fused_attention(self, call: FusedCall) -> torch.Tensor | None:
         """Exact attention with this bias split into far parts (one constant per head past the saturation distance)
