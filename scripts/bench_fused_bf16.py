@@ -16,6 +16,7 @@ the dense path takes to build its mask, once per forward. Speed: rounds of the t
 (``--threads``, default 2), medians and the ratio of medians. Run::
 
     PYTHONPATH=. python scripts/bench_fused_bf16.py --lengths 2048 8192 --rounds 4
+    PYTHONPATH=. python scripts/bench_fused_bf16.py --lengths 2048 --train   # forward + backward
 """
 
 from __future__ import annotations
@@ -137,6 +138,33 @@ def measure(name: str, causal: bool, length: int, rounds: int, dtype: torch.dtyp
           flush=True)
 
 
+def measure_training(name: str, causal: bool, length: int, rounds: int, dtype: torch.dtype) -> None:
+    """Forward and backward: q, k, v train; T5's table trains too (the dense path then builds its bias with a
+    gradient in every forward, and sdpa runs its math fallback), ALiBi's slopes are fixed (as the paper has them)."""
+    bias, call = scheme(name), make_call(length, causal, dtype)
+    bias.requires_grad_(name == "t5")
+    for tensor in (call.query, call.key, call.value):
+        tensor.requires_grad_()
+    grad = torch.randn(1, length, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
+    dense = None if name == "t5" else dense_runner(bias, call)  # a fixed bias: built once, outside the timing
+
+    def step(forward: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        return lambda: forward().backward(grad)
+
+    runners = {
+        "fused": step(lambda: bias.fused_attention(call)),
+        "dense": step(dense if dense is not None else lambda: dense_runner(bias, call)()),
+        "native": step(lambda: native(call)),
+    }
+    runners["fused"]()  # warm
+    seconds = abba(runners, rounds)
+    kind = "causal" if causal else "bidirectional"
+    times = " ".join(f"{key} {1e3 * value:.1f}" for key, value in seconds.items())
+    print(f"{name:5} {kind:13} {length:5} {str(dtype)[6:]:8}  forward+backward ms: {times}  fused/dense "
+          f"{seconds['fused'] / seconds['dense']:.2f} fused/native {seconds['fused'] / seconds['native']:.2f}",
+          flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
@@ -145,12 +173,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--train", action="store_true", help="time forward + backward instead (no error columns)")
     settings = parser.parse_args()
     torch.set_num_threads(settings.threads)
     for length in settings.lengths:
         for name in settings.schemes:
             for mode in settings.modes:
-                measure(name, mode == "causal", length, settings.rounds, getattr(torch, settings.dtype))
+                run = measure_training if settings.train else measure
+                run(name, mode == "causal", length, settings.rounds, getattr(torch, settings.dtype))
 
 
 if __name__ == "__main__":
