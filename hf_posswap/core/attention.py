@@ -14,6 +14,7 @@ Cross-attention and calls without a context run unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -278,15 +279,27 @@ def fused_bias_attention(
     minimum = getattr(context.positions, "fused_min_queries", None)
     if minimum is None or query.shape[2] < minimum or not context.is_self_attention(module):
         return None
-    # mixed precision (autocast) hands q, k and v over in different dtypes and casts inside the fused forms' own
-    # matmuls: the dense path, which sdpa runs under autocast as it always did, is the safe one there
-    if torch.is_autocast_enabled(query.device.type) or not query.dtype == key.dtype == value.dtype:
+    autocast = torch.is_autocast_enabled(query.device.type)
+    if autocast and query.device.type != "cpu":  # only CPU autocast's rule is mirrored: the dense path elsewhere
+        return None
+    if autocast:  # the fused form gets q, k, v as sdpa would under autocast, then runs with autocast off
+        query, key, value = autocast_inputs(query, key, value)
+    if not query.dtype == key.dtype == value.dtype:
         return None
     call = bias_call(module, query, key, value, attention_mask, context, scaling, dropout)
-    output = context.positions.fused_attention(call)
+    with torch.autocast(query.device.type, enabled=False) if autocast else contextlib.nullcontext():
+        output = context.positions.fused_attention(call)
     if output is not None:
         note_path(context.positions.fused_path)
     return output
+
+
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` as ``scaled_dot_product_attention`` receives them under CPU autocast: it is one of autocast's
+    lower-precision ops there (aten/src/ATen/autocast_mode.cpp), which cast every floating tensor but float64 to the
+    autocast dtype (checked in tests/test_fused_bf16.py)."""
+    dtype = torch.get_autocast_dtype("cpu")
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
 
 
 def _needs_self_extend(module: nn.Module, query: torch.Tensor, context: PositionContext | None) -> bool:

@@ -69,7 +69,8 @@ class AlibiBias(BiasPositions):
 
     def fused_attention(self, call: FusedCall) -> torch.Tensor | None:
         """Attention without the dense bias (``fused_alibi``): the separable form when causal, a strided Toeplitz
-        view of the bias when bidirectional; None (dense path) for half precision and layouts it does not handle."""
+        view of the bias when bidirectional (half precision on CPU too); None (dense path) for half precision on
+        other devices and layouts it does not handle."""
         return alibi_attention(call, self.slopes, self)
 
     def flex_bias(self, spec: FlexSpec) -> FlexBias:

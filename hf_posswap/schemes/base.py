@@ -304,6 +304,18 @@ class FusedCall:
         return int(self.key_pos[0] - self.query_pos[0])
 
 
+#: half-precision dtypes the fused forms take on CPU (sdpa's CPU flash kernel runs them with float32 logits,
+#: softmax and accumulation); their bias numbers stay float32 (:func:`bias_dtype`)
+HALF_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def bias_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a fused form computes bias numbers in for q/k/v of ``dtype``: float32 for half precision (sdpa's
+    CPU kernel adds a float32 mask to its float32 logits, so the bias is not rounded to 8 or 11 bits, as the dense
+    path's mask in the model's dtype is), else ``dtype`` itself."""
+    return torch.float32 if dtype in HALF_PRECISION else dtype
+
+
 class NoPositions(AbsolutePositions):
     """Zero vectors: stands in for a model's absolute table when the table is removed (NoPE and every
     non-absolute scheme)."""

@@ -10,9 +10,19 @@ slopes' gradient flows through the extra query column.
 Precision: the kernel adds ``m (j - c)`` to ``s q.k`` in the working dtype, so the logits of the keys that matter
 (near the query) carry a rounding error of about eps * m * |i - c|. The reference c is the middle of the query
 positions (decoding steps take their small exact bias instead); past 16k tokens at slope 1/2 a prefill runs in
-blocks of queries with a reference each (slower), so the error stops growing with the length. Only float32 and
-float64 take this path; float16/bfloat16 (eps 1e-3 / 8e-3) keep the dense path. The float32 error, measured and
-tested (``tests/test_fast_alibi.py``): see :data:`FP32_TOLERANCE`.
+blocks of queries with a reference each (slower), so the error stops growing with the length. The float32 error,
+measured and tested (``tests/test_fast_alibi.py``): see :data:`FP32_TOLERANCE`.
+
+Half precision (bfloat16, float16; CPU): one column in the working dtype would round m / s and j - c to 8 (11) bits
+(j - c = 1,001 becomes 1,000), so the term takes four columns, two-term splits ``x = hi + lo`` of both
+(:func:`position_columns`): the query gets ``(m_hi, m_hi, m_lo, m_lo)``, the key ``(d_hi, d_lo, d_hi, d_lo)``. Every
+product of two half-precision numbers is exact in float32 and sdpa's CPU kernel sums the logits in float32, so the
+kernel adds ``(m_hi + m_lo)(d_hi + d_lo)``: the slope to ~16 bits and the offset exactly (integers below 2**16;
+float16: 2**22), with the float32 form's error. The dense path rounds its whole bias to the model's dtype, so this
+form is at least as exact as it (measured in ``tests/test_fused_bf16.py``). Decoding steps' and encoders' bias
+numbers are float32 (the kernel takes a float32 mask with half-precision q, k, v). Where a backward follows, grouped
+key-value heads are expanded (:func:`grouped_heads`), and trainable slopes take the float32 form
+(:func:`_float32_causal`): both for the gradients' precision. Other devices keep the dense path.
 
 Bidirectional ALiBi ``-m |i - j|`` is not separable, but it depends on j - i only: without a padding mask sdpa gets
 it as an overlapping strided view of one row per head (:func:`_toeplitz_attention`), so no ``[q, kv]`` tensor is
@@ -21,17 +31,20 @@ built. With a padding mask, long inputs run blocks of queries with a dense bias 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .base import FusedCall
+from .base import HALF_PRECISION, FusedCall, bias_dtype
 from .kept_rows import kept_row, row_copy
 
-#: dtypes the separable causal form runs in (see the module docstring for why not half precision)
+#: dtypes every fused form runs in on any device; HALF_PRECISION ones run on CPU (module docstring)
 FUSED_DTYPES = (torch.float32, torch.float64)
+#: float16 offsets |j - c| at or past this take the dense path (their high part would pass float16's 65,504)
+HALF_OFFSET_LIMIT = 2**15
 #: bound on |fused - exact| (output, float32) with 8 heads of 64 (slopes 1/2 ... 1/256), 2 kv heads, unit-scale
 #: random q/k/v: measured 2.2e-5 at 2,048 tokens and 7.9e-5 at 8,192 on the first and last queries (the middle
 #: ones: 1.5e-6); the dense float32 path's own error there is 9e-7. It grows with the largest slope x the length.
@@ -54,11 +67,40 @@ def alibi_attention(call: FusedCall, slopes: torch.Tensor, owner: nn.Module | No
     """Attention output [B, q, H, D] of ``call`` with ALiBi ``slopes`` [H], or None to leave it to the dense path.
     ``owner`` (the scheme module) keeps a bias row for decoding steps (:mod:`~hf_posswap.schemes.kept_rows`)."""
     heads, kv_heads = call.query.shape[1], call.key.shape[1]
-    if call.query.dtype not in FUSED_DTYPES or heads % kv_heads or slopes.shape[0] != heads:
+    if not _takes_dtype(call) or heads % kv_heads or slopes.shape[0] != heads:
         return None
-    if call.causal:
-        return causal_alibi_attention(call, slopes, owner)
-    return bidirectional_alibi_attention(call, slopes)
+    if not call.causal:
+        return bidirectional_alibi_attention(call, slopes)
+    if call.query.dtype in HALF_PRECISION and slopes.requires_grad and torch.is_grad_enabled():
+        return _float32_causal(call, slopes, owner)
+    return causal_alibi_attention(call, slopes, owner)
+
+
+def _float32_causal(call: FusedCall, slopes: torch.Tensor, owner: nn.Module | None) -> torch.Tensor | None:
+    """Causal half-precision attention whose slopes train: the separable form on q, k, v cast to float32, the output
+    cast back. In the half-precision kernel the slopes' gradient is a row sum of the kernel's dS times j - c, and
+    dS's rows sum to 0 only up to the rounding of the output the kernel's backward reads, an error |i - c| (up to
+    half the length) then multiplies (measured, bfloat16, against float64: 11x the dense path's error at 300 tokens,
+    3.5x this form's at 1,000; the dense path runs sdpa's math fallback, in float32, because its mask needs a
+    gradient). Trainable slopes are the rare case (ALiBi fixes them), so they pay the float32 kernel; it is still
+    faster than that fallback."""
+    wide = dataclasses.replace(call, query=call.query.float(), key=call.key.float(), value=call.value.float())
+    output = causal_alibi_attention(wide, slopes, owner)
+    return None if output is None else output.to(call.query.dtype)
+
+
+def _takes_dtype(call: FusedCall) -> bool:
+    """float32/float64 anywhere; half precision on CPU (float16 only while its offsets fit, module docstring)."""
+    dtype = call.query.dtype
+    if dtype in FUSED_DTYPES:
+        return True
+    if dtype not in HALF_PRECISION or call.query.device.type != "cpu":
+        return False
+    if dtype == torch.float16:
+        query_pos, key_pos = call.query_pos, call.key_pos
+        reach = torch.maximum(key_pos.max() - query_pos.min(), query_pos.max() - key_pos.min())
+        return int(reach) < HALF_OFFSET_LIMIT
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -145,21 +187,42 @@ def _separable(
 ) -> torch.Tensor:
     """The queries ``rows`` against the first ``visible`` keys in the separable form: output [B, rows, H, D]."""
     query, key, value = call.query[:, :, rows], call.key[:, :, :visible], call.value[:, :, :visible]
-    dtype, (batch, heads, q_len, head_dim) = query.dtype, query.shape
-    slope_column = (slopes.to(dtype) / call.scaling).view(1, heads, 1, 1).expand(batch, heads, q_len, 1)
-    offsets = (call.key_pos[..., :visible] - _centre(call.query_pos[..., rows])).to(dtype)  # [kv] or [B, kv]: j - c
-    key_column = offsets.view(-1, 1, visible, 1).expand(batch, key.shape[1], visible, 1)
+    batch, heads, q_len, head_dim = query.shape
+    offsets = call.key_pos[..., :visible] - _centre(call.query_pos[..., rows])  # [kv] or [B, kv]: j - c
+    query_columns, key_columns = position_columns(slopes, call.scaling, offsets, query.dtype)
+    width = query_columns.shape[-1]  # query columns [1, H, 1, c], key columns [1 or B, kv, c]
+    slope_columns = query_columns.expand(batch, heads, q_len, width)
+    key_columns = key_columns[:, None].expand(batch, key.shape[1], visible, width)
+    query = torch.cat([query, slope_columns], dim=-1)
+    key, value, grouped = grouped_heads(query, torch.cat([key, key_columns], dim=-1), F.pad(value, (0, width)))
     output = sdpa_flushing_denormals(
-        torch.cat([query, slope_column], dim=-1),
-        torch.cat([key, key_column], dim=-1),
-        F.pad(value, (0, 1)),
-        attn_mask=mask,
-        dropout_p=call.dropout,
-        is_causal=is_causal,
-        scale=call.scaling,
-        enable_gqa=heads != key.shape[1],
+        query, key, value, attn_mask=mask, dropout_p=call.dropout, is_causal=is_causal, scale=call.scaling,
+        enable_gqa=grouped,
     )
     return output[..., :head_dim].transpose(1, 2).contiguous()  # [B, H, q, D+1] -> [B, q, H, D]
+
+
+def position_columns(
+    slopes: torch.Tensor, scaling: float, offsets: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query columns [1, H, 1, c], key columns [1 or B, kv, c]) in ``dtype`` whose dot product times ``scaling`` is
+    the ALiBi logit term ``m_h (j - c)``, from ``offsets`` j - c [kv] or [B, kv]: one column each in float32 /
+    float64; in half precision four, from two-term splits of m / s and j - c (module docstring), so the float32 sum
+    of their exact products is the float32 product."""
+    if dtype not in HALF_PRECISION:
+        return (slopes.to(dtype) / scaling).view(1, -1, 1, 1), offsets.to(dtype).view(-1, offsets.shape[-1], 1)
+    slope_hi, slope_lo = _split(slopes.float() / scaling, dtype)
+    offset_hi, offset_lo = _split(offsets.float(), dtype)
+    query_columns = torch.stack([slope_hi, slope_hi, slope_lo, slope_lo], dim=-1)[None, :, None]
+    key_columns = torch.stack([offset_hi, offset_lo, offset_hi, offset_lo], dim=-1)
+    return query_columns, key_columns.view(-1, offsets.shape[-1], 4)
+
+
+def _split(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``values`` as ``hi + lo`` in ``dtype`` (hi: values rounded; lo: the remainder rounded). To autograd
+    d hi / d values = 1 and d lo / d values = 0, so the slopes' gradient arrives once, through hi's columns."""
+    high = values.to(dtype)
+    return high, (values - high.float()).to(dtype)
 
 
 def _blocked_separable(call: FusedCall, slopes: torch.Tensor) -> torch.Tensor:
@@ -202,10 +265,10 @@ def _small_query_attention(
 def _small_query_bias(
     call: FusedCall, slopes: torch.Tensor, plan: CausalPlan, owner: nn.Module | None = None
 ) -> torch.Tensor:
-    """-m (i - j) with the plan's mask merged in: [1 or B, H, q, visible]; once per forward when no gradient needs
-    it (every layer shares the slopes). A decoding step (one query, index positions, no mask) reads it from a
-    bias row kept on ``owner`` across steps: one copy of a slice, no arithmetic."""
-    dtype = call.query.dtype
+    """-m (i - j) with the plan's mask merged in: [1 or B, H, q, visible] (float32 for half-precision calls); once
+    per forward when no gradient needs it (every layer shares the slopes). A decoding step (one query, index
+    positions, no mask) reads it from a bias row kept on ``owner`` across steps: one copy of a slice, no arithmetic."""
+    dtype = bias_dtype(call.query.dtype)
     key = ("alibi-small-bias", call.query.shape[2], plan.visible, dtype, None if plan.mask is None else id(plan.mask))
     memoise = not (slopes.requires_grad and torch.is_grad_enabled())
     if memoise and key in call.memo:
@@ -234,6 +297,23 @@ def _decode_bias(owner: nn.Module, slopes: torch.Tensor, first: int, visible: in
 
     row, span = kept_row(owner, ("alibi-decode", dtype), slopes, max(-first, first + visible - 1), bias_row)
     return row_copy(row, span, first, visible)[None, :, None, :]
+
+
+def grouped_heads(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(key, value, enable_gqa) for sdpa: grouped key-value heads [B, Hkv, kv, D] stay unexpanded, except in half
+    precision when a backward will follow: sdpa's CPU kernel then sums each group's key and value gradients in the
+    half-precision dtype (measured, bfloat16 at 300 tokens, 4 queries per kv head: dk, dv 2-4x the error of the
+    expanded heads' backward, which the dense path runs), so they are expanded to [B, H, kv, D] as the dense path
+    does. The forward is the same either way."""
+    groups = query.shape[1] // key.shape[1]
+    if groups == 1:
+        return key, value, False
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if query.dtype in HALF_PRECISION and backward:
+        return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1), False
+    return key, value, True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -325,11 +405,12 @@ def _toeplitz_attention(call: FusedCall, slopes: torch.Tensor, shift: int) -> to
     query, key, value = call.query, call.key, call.value
     heads, q_len, kv_len = query.shape[1], query.shape[2], key.shape[2]
     distance = torch.arange(q_len + kv_len - 1, device=query.device) - (q_len - 1) + shift  # base[i' + j] is f(j - i)
-    base = -(slopes.to(query.dtype)[:, None] * distance.abs().to(query.dtype)[None])  # [H, q + kv - 1]
+    dtype = bias_dtype(query.dtype)
+    base = -(slopes.to(dtype)[:, None] * distance.abs().to(dtype)[None])  # [H, q + kv - 1]
     bias = base.as_strided((1, heads, q_len, kv_len), (0, base.stride(0), 1, 1))
+    key, value, grouped = grouped_heads(query, key, value)
     output = sdpa_flushing_denormals(
-        query.flip(2), key, value, attn_mask=bias, dropout_p=call.dropout, scale=call.scaling,
-        enable_gqa=heads != key.shape[1],
+        query.flip(2), key, value, attn_mask=bias, dropout_p=call.dropout, scale=call.scaling, enable_gqa=grouped
     )
     return output.flip(2).transpose(1, 2).contiguous()
 
@@ -338,6 +419,7 @@ def _blocked_attention(call: FusedCall, slopes: torch.Tensor) -> torch.Tensor:
     """Padded or per-row-position calls with a large bias: blocks of queries, each with its own dense bias."""
     query, key, value = call.query, call.key, call.value
     batch, heads, q_len, _ = query.shape
+    key, value, grouped = grouped_heads(query, key, value)
     block = max(1, min(q_len, BIAS_BLOCK_ELEMENTS // (batch * heads * key.shape[2])))
     outputs = []
     for start in range(0, q_len, block):
@@ -345,7 +427,7 @@ def _blocked_attention(call: FusedCall, slopes: torch.Tensor) -> torch.Tensor:
         outputs.append(
             sdpa_flushing_denormals(
                 query[:, :, start:stop], key, value, attn_mask=_bidirectional_bias(call, slopes, start, stop),
-                dropout_p=call.dropout, scale=call.scaling, enable_gqa=heads != key.shape[1],
+                dropout_p=call.dropout, scale=call.scaling, enable_gqa=grouped,
             )
         )
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
@@ -353,7 +435,7 @@ def _blocked_attention(call: FusedCall, slopes: torch.Tensor) -> torch.Tensor:
 
 def _bidirectional_bias(call: FusedCall, slopes: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """-m |i - j| for queries start..stop, merged with transformers' mask: [1 or B, H, stop - start, kv]."""
-    dtype = call.query.dtype
+    dtype = bias_dtype(call.query.dtype)
     distance = (call.key_pos[..., None, :] - call.query_pos[..., start:stop, None]).abs().to(dtype)  # [.., q, kv]
     if distance.dim() == 2:
         distance = distance[None]

@@ -12,8 +12,14 @@ is one constant per head (and per direction when bidirectional). Attention then 
 
 The parts are merged by log-sum-exp. The backward runs the fused kernel's backward for each far part with the
 merged output and log-sum-exp (as ring attention does), differentiates the band by hand, and sums the table
-gradient per bucket over the band plus the far constants. Everything here is CPU, float32 or float64; the caller
+gradient per bucket over the band plus the far constants. Everything here is CPU; the caller
 (:meth:`hf_posswap.schemes.t5.T5RelativeBias.fused_attention`) declines other calls.
+
+Dtypes: q, k, v in float32, float64, bfloat16 or float16; the table ``weight`` in the *working dtype* (float32 for
+half precision, else q's). Half-precision far parts run the fused kernel in their dtype (float32 logits, softmax and
+accumulation inside it; its log-sum-exp is float32); the band, the merge and every gradient sum run in the working
+dtype, and the output and q/k/v gradients are rounded to q's dtype once, at the end (the dense path rounds its bias
+to the model's dtype too, so this is at least as exact as it; measured in ``tests/test_fused_bf16.py``).
 """
 
 from __future__ import annotations
@@ -244,7 +250,8 @@ def _slice(x: torch.Tensor, span: tuple[int, int], flipped: bool) -> torch.Tenso
 
 
 def _far_forward(part: FarPart, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple:
-    """(output [B, H, rows, D], log-sum-exp [B, H, rows]) of one far part, without its constant."""
+    """(output [B, H, rows, D] in q's dtype, log-sum-exp [B, H, rows] as the kernel gives it: float32 for half
+    precision) of one far part, without its constant."""
     out, lse = _flash(
         _slice(q, part.rows, part.flipped),
         _slice(k, part.keys, part.flipped),
@@ -255,84 +262,105 @@ def _far_forward(part: FarPart, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     )
     if part.flipped:
         out, lse = out.flip(2), lse.flip(-1)
-    return out, lse.to(q.dtype)
+    return out, lse
 
 
 class FusedT5Attention(torch.autograd.Function):
-    """(q [B, H, q, D], k/v [B, Hkv, kv, D], weight [H, buckets], plan, keep) -> output [B, H, q, D]; ``keep``: a
-    backward will follow (the band's probabilities are kept for it)."""
+    """(q [B, H, q, D], k/v [B, Hkv, kv, D], weight [H, buckets] in the working dtype, plan, keep) -> output
+    [B, H, q, D] in q's dtype; ``keep``: a backward will follow (the band's probabilities are kept for it). Runs
+    with autocast off, forward and backward: its dtypes are chosen here (module docstring)."""
 
     @staticmethod
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, plan: Plan, keep: bool
     ):
-        band = plan.band
-        bias = weight[:, band.bucket_ids].masked_fill(~band.inside, MASKED)  # [H, Bq, W]
-        near_lse, near_out, probs = _band(q, k, v, bias, band, plan.scale, keep)  # [B, H, q], [B, H, q, D]
-        lse = near_lse.clone()
-        far = []
-        for part in plan.parts:
-            out_p, lse_p = _far_forward(part, q, k, v, plan.scale)
-            lse_p = lse_p + weight[:, part.bucket, None]
-            rows = slice(*part.rows)
-            lse[:, :, rows] = torch.logaddexp(lse[:, :, rows], lse_p)
-            far.append((out_p, lse_p))
-        out = near_out * (near_lse - lse).exp()[..., None]
-        for part, (out_p, lse_p) in zip(plan.parts, far, strict=True):
-            rows = slice(*part.rows)
-            out[:, :, rows] += out_p * (lse_p - lse[:, :, rows]).exp()[..., None]
+        with torch.autocast(q.device.type, enabled=False):
+            out, saved = _fused_forward(q, k, v, weight, plan, keep)
         ctx.plan = plan
         if keep:
-            ctx.save_for_backward(q, k, v, weight, out, lse, near_lse, probs, *[t for pair in far for t in pair])
-        return out
+            ctx.save_for_backward(q, k, v, weight, *saved)
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        q, k, v, weight, out, lse, near_lse, probs, *far = ctx.saved_tensors
-        plan: Plan = ctx.plan
-        band, heads, kv_heads, length = plan.band, q.shape[1], k.shape[1], q.shape[2]
-        grad = grad.contiguous()
-        delta = (grad * out).sum(-1)  # [B, H, q]
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dweight = torch.zeros_like(weight)
-        for i, part in enumerate(plan.parts):
-            out_p, lse_p = far[2 * i], far[2 * i + 1]
-            rows, keys = slice(*part.rows), slice(*part.keys)
-            row_lse = lse[:, :, rows] - weight[:, part.bucket, None]  # the merged softmax, seen from this part
-            dq_p, dk_p, dv_p = _flash_backward(
-                _slice(grad, part.rows, part.flipped),
-                _slice(q, part.rows, part.flipped),
-                _slice(k, part.keys, part.flipped),
-                _slice(v, part.keys, part.flipped),
-                _slice(out, part.rows, part.flipped),
-                row_lse.flip(-1) if part.flipped else row_lse,
-                0.0,
-                part.causal,
-                scale=plan.scale,
-            )
-            if part.flipped:
-                dq_p, dk_p, dv_p = dq_p.flip(2), dk_p.flip(2), dv_p.flip(2)
-            dq[:, :, rows] += dq_p
-            dk[:, :, keys] += dk_p
-            dv[:, :, keys] += dv_p
-            # d lse_p / d constant = 1: sum over the part's probabilities of (dP - delta)
-            share = (lse_p - lse[:, :, rows]).exp()
-            dweight[:, part.bucket] += (share * ((grad[:, :, rows] * out_p).sum(-1) - delta[:, :, rows])).sum((0, 2))
-        weight_share = _to_blocks((near_lse - lse).exp()[..., None], band, kv_heads)  # [B, Hkv, n, G*Bq, 1]
-        probs = probs * weight_share  # band probabilities under the merged softmax
-        grad_b = _to_blocks(grad, band, kv_heads)
-        kw, vw = _windows(k, band), _windows(v, band)
-        dscores = torch.matmul(grad_b, vw.transpose(-1, -2))
-        dscores = dscores.sub_(_to_blocks(delta[..., None], band, kv_heads)).mul_(probs)
-        qb = _to_blocks(q, band, kv_heads)
-        dq += _from_blocks(torch.matmul(dscores, kw), band, heads, length) * plan.scale
-        dk += _fold(torch.matmul(dscores.transpose(-1, -2), qb), band, plan.kv_len) * plan.scale
-        dv += _fold(torch.matmul(probs.transpose(-1, -2), grad_b), band, plan.kv_len)
-        if ctx.needs_input_grad[3]:
-            batch, _, blocks, _, width = dscores.shape
-            per_entry = dscores.view(batch, kv_heads, blocks, heads // kv_heads, band.block, width).sum((0, 2))
-            dweight.index_add_(1, band.bucket_ids.flatten(), per_entry.reshape(heads, -1))
-        return dq, dk, dv, dweight, None, None
+        with torch.autocast(grad.device.type, enabled=False):
+            return _fused_backward(ctx, grad)
+
+
+def _fused_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, plan: Plan, keep: bool
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(output [B, H, q, D] in the working dtype, tensors the backward reads) of :class:`FusedT5Attention`."""
+    band, work = plan.band, weight.dtype
+    bias = weight[:, band.bucket_ids].masked_fill(~band.inside, MASKED)  # [H, Bq, W]
+    near_lse, near_out, probs = _band(q.to(work), k.to(work), v.to(work), bias, band, plan.scale, keep)
+    lse = near_lse.clone()  # [B, H, q]; near_out [B, H, q, D]
+    far = []
+    for part in plan.parts:
+        out_p, lse_p = _far_forward(part, q, k, v, plan.scale)
+        lse_p = lse_p.to(work) + weight[:, part.bucket, None]
+        rows = slice(*part.rows)
+        lse[:, :, rows] = torch.logaddexp(lse[:, :, rows], lse_p)
+        far.append((out_p, lse_p))
+    out = near_out * (near_lse - lse).exp()[..., None]
+    for part, (out_p, lse_p) in zip(plan.parts, far, strict=True):
+        rows = slice(*part.rows)
+        out[:, :, rows] += out_p.to(work) * (lse_p - lse[:, :, rows]).exp()[..., None]
+    return out, [out, lse, near_lse, probs, *[t for pair in far for t in pair]] if keep else []
+
+
+def _fused_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """Gradients (dq, dk, dv in their dtypes, dweight in the working dtype, None, None) of
+    :class:`FusedT5Attention`: the far parts through the fused kernel's backward, the band by hand."""
+    q, k, v, weight, out, lse, near_lse, probs, *far = ctx.saved_tensors
+    plan: Plan = ctx.plan
+    band, heads, kv_heads, length, work = plan.band, q.shape[1], k.shape[1], q.shape[2], weight.dtype
+    grad_in = grad.contiguous().to(q.dtype)  # the kernel's dtype
+    grad = grad_in.to(work)
+    delta = (grad * out).sum(-1)  # [B, H, q]
+    out_in = out.to(q.dtype)  # the output the caller got, as the kernel's backward reads it
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    dq, dk, dv = (t.new_zeros(t.shape, dtype=work) for t in (q, k, v))
+    dweight = torch.zeros_like(weight)
+    for i, part in enumerate(plan.parts):
+        out_p, lse_p = far[2 * i], far[2 * i + 1]
+        rows, keys = slice(*part.rows), slice(*part.keys)
+        row_lse = lse[:, :, rows] - weight[:, part.bucket, None]  # the merged softmax, seen from this part
+        dq_p, dk_p, dv_p = _flash_backward(
+            _slice(grad_in, part.rows, part.flipped),
+            _slice(q, part.rows, part.flipped),
+            _slice(k, part.keys, part.flipped),
+            _slice(v, part.keys, part.flipped),
+            _slice(out_in, part.rows, part.flipped),
+            row_lse.flip(-1) if part.flipped else row_lse,
+            0.0,
+            part.causal,
+            scale=plan.scale,
+        )
+        if part.flipped:
+            dq_p, dk_p, dv_p = dq_p.flip(2), dk_p.flip(2), dv_p.flip(2)
+        dq[:, :, rows] += dq_p
+        dk[:, :, keys] += dk_p
+        dv[:, :, keys] += dv_p
+        # d lse_p / d constant = 1: sum over the part's probabilities of (dP - delta)
+        share = (lse_p - lse[:, :, rows]).exp()
+        dweight[:, part.bucket] += (share * ((grad[:, :, rows] * out_p).sum(-1) - delta[:, :, rows])).sum((0, 2))
+    q, k, v = q.to(work), k.to(work), v.to(work)
+    weight_share = _to_blocks((near_lse - lse).exp()[..., None], band, kv_heads)  # [B, Hkv, n, G*Bq, 1]
+    probs = probs * weight_share  # band probabilities under the merged softmax
+    grad_b = _to_blocks(grad, band, kv_heads)
+    kw, vw = _windows(k, band), _windows(v, band)
+    dscores = torch.matmul(grad_b, vw.transpose(-1, -2))
+    dscores = dscores.sub_(_to_blocks(delta[..., None], band, kv_heads)).mul_(probs)
+    qb = _to_blocks(q, band, kv_heads)
+    dq += _from_blocks(torch.matmul(dscores, kw), band, heads, length) * plan.scale
+    dk += _fold(torch.matmul(dscores.transpose(-1, -2), qb), band, plan.kv_len) * plan.scale
+    dv += _fold(torch.matmul(probs.transpose(-1, -2), grad_b), band, plan.kv_len)
+    if ctx.needs_input_grad[3]:
+        batch, _, blocks, _, width = dscores.shape
+        per_entry = dscores.view(batch, kv_heads, blocks, heads // kv_heads, band.block, width).sum((0, 2))
+        dweight.index_add_(1, band.bucket_ids.flatten(), per_entry.reshape(heads, -1))
+    return dq.to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2]), dweight, None, None
 
 
 def fused_t5_attention(

@@ -13,12 +13,14 @@ from torch import nn
 
 from ..errors import InvalidConfigError
 from .base import (
+    HALF_PRECISION,
     BiasPositions,
     FlexBias,
     FlexSpec,
     FusedCall,
     ModelSpec,
     SchemeConfig,
+    bias_dtype,
     register_scheme,
     require_bool,
     require_int_at_least,
@@ -181,7 +183,8 @@ class T5RelativeBias(BiasPositions):
         """Exact attention with this bias split into far parts (one constant per head past the saturation distance)
         and a near band (see :mod:`hf_posswap.schemes.fused_t5`): output [B, q, H, D], or None (dense path).
 
-        Runs on CPU in float32 and float64, for causal models with or without a cache (prefill, chunks after a
+        Runs on CPU in float32, float64, bfloat16 and float16 (the table and the band in float32 for the last two),
+        for causal models with or without a cache (prefill, chunks after a
         cache, static caches) and for encoders without a cache, with grouped kv heads unexpanded and shared or
         per-layer tables. Declines (returns None): a single query (a decoding step: its dense bias is one row per
         head, shared by every layer, and one sdpa call beats the split), padding masks (anything but the plain
@@ -191,13 +194,14 @@ class T5RelativeBias(BiasPositions):
         if plan is None:
             return None
         table = self.tables[0] if len(self.tables) == 1 else self.tables[call.layer_idx]
-        weight = table.weight.to(torch.float32).t().to(call.query.dtype)  # [H, num_buckets], as the dense path
+        # [H, num_buckets] in the working dtype: float32 as the dense path's bias, float64 for float64 q
+        weight = table.weight.to(torch.float32).t().to(bias_dtype(call.query.dtype))
         return fused_t5_attention(call.query, call.key, call.value, weight, plan).transpose(1, 2).contiguous()
 
     def _fused_plan(self, call: FusedCall) -> Plan | None:
         """How ``call`` splits into far parts and a band, or None when the fused form does not apply."""
         query, key = call.query, call.key
-        dtypes = (torch.float32, torch.float64)
+        dtypes = (torch.float32, torch.float64, *HALF_PRECISION)
         if query.device.type != "cpu" or query.dtype not in dtypes or key.dtype != query.dtype or call.dropout > 0:
             return None
         if not _consecutive_positions(call) or not _plain_mask(call):
