@@ -43,17 +43,20 @@ step environment 60 bash -c "
 if (( rehearse )); then
     export POSSWAP_TEST_DEVICE=cpu
     step cuda_matrix 600 "$python" -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_cuda.py \
-        -k "llama-alibi or bert-t5 or gpt2-kerple or auto or finetune" --junitxml="$results/cuda_matrix.xml"
+        -k "llama-alibi or bert-t5 or gpt2-kerple or auto or finetune or long" --junitxml="$results/cuda_matrix.xml"
     step bench 600 "$python" scripts/bench_speed.py --device cpu --dtype bfloat16 --quick --no-memory \
-        --cases gpu-alibi gpu-self_extend --json "$results/bench.json" --output "$results/bench.md"
+        --cases llama-alibi llama-self-extend --json "$results/bench.json" --output "$results/bench.md"
 else
     # the matrix first (correctness before speed), then the benchmark with what is left of the 8 minutes
     # 8 workers: flex_attention compiles per scheme, dtype and mask pattern, on the CPU cores (16 there)
     step cuda_matrix 230 "$python" -m pytest -q -p no:cacheprovider -m "slow or not slow" -n 8 --timeout 120 \
-        tests/test_cuda.py --junitxml="$results/cuda_matrix.xml"
+        tests/test_cuda.py tests/test_flex_bias.py tests/test_self_extend_merged.py -k cuda \
+        --junitxml="$results/cuda_matrix.xml"
     left=$(( 460 - ($(date +%s) - started) ))
     (( left < 120 )) && left=120
+    # the cases with targets first; FIRE and Sandwich (measured, no targets) with what time is left
     step bench "$left" "$python" scripts/bench_speed.py --device cuda --dtype bfloat16 --lengths 8192 32768 \
+        --cases llama-alibi llama-t5 llama-kerple llama-self-extend llama-fire llama-sandwich --repeats 3 \
         --budget-seconds $(( left - 20 )) --json "$results/bench.json" --output "$results/bench.md"
 fi
 
