@@ -1,4 +1,4 @@
-"""ALiBi attention without the dense ``[B, H, q, kv]`` bias (the sdpa carrier's fast path, issue 10).
+"""ALiBi attention without the dense ``[B, H, q, kv]`` bias (the sdpa carrier's fast path).
 
 Causal ALiBi is separable. Along a query row i the bias ``-m_h (i - j)`` is ``m_h j`` plus a constant, and softmax
 ignores constants, so ``softmax_j(s q.k - m (i - j)) = softmax_j(s q.k + m (j - c))`` for any reference c. The term

@@ -1,4 +1,4 @@
-"""T5-bias attention without the dense ``[B, H, q, kv]`` bias, exact (issue 10).
+"""T5-bias attention without the dense ``[B, H, q, kv]`` bias, exact.
 
 T5's bucketing sends every distance at or past the *saturation distance* S to one last bucket, so past S the bias
 is one constant per head (and per direction when bidirectional). Attention then splits exactly into
