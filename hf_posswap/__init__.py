@@ -183,7 +183,7 @@ def _command_line_process() -> bool:
 
 
 if not _command_line_process():
-    from .persistence.autoload import register as _register
+    from .persistence.autoload import register_config_classes as _register
 
     _register()
     for _name, _module in _EXPORTS.items():  # the swap API, imported now as any plain import would

@@ -267,6 +267,38 @@ def config_mapping() -> Any:
     return CONFIG_MAPPING
 
 
+def config_class_name(model_type: str) -> str | None:
+    """The name of ``model_type``'s config class, read without importing its configuration file."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return CONFIG_MAPPING_NAMES.get(model_type)
+
+
+def register_config_lazily(model_type: str, stand_in: Any) -> bool:
+    """Put ``stand_in`` (an object that builds and registers the real config class when first read) in
+    ``AutoConfig``'s mapping under ``model_type``; ``AutoConfig.register`` would need the class itself, and building
+    it imports the configuration file and with it much of transformers. False when the mapping's layout changed
+    (the caller then registers the real class)."""
+    extra = getattr(config_mapping(), "_extra_content", None)
+    if not isinstance(extra, dict):
+        return False
+    extra.setdefault(model_type, stand_in)
+    return True
+
+
+def model_class_name(auto: Any, model_type: str) -> str | None:
+    """The name of the model class that the Auto class ``auto`` maps ``model_type`` to, read without importing the
+    modeling file (None: ``auto`` has no class for it). Tuples of alternatives give their first."""
+    names = getattr(getattr(auto, "_model_mapping", None), "_model_mapping", None)
+    if not isinstance(names, dict):  # the lazy mapping changed shape: ask the mapping itself (imports the file)
+        try:
+            return auto._model_mapping[config_mapping()[model_type]].__name__
+        except KeyError:
+            return None
+    name = names.get(model_type)
+    return name[0] if isinstance(name, (tuple, list)) else name
+
+
 def causal_lm_class_names() -> dict[str, str]:
     """model_type -> the name of its causal-LM class (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

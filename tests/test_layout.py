@@ -183,6 +183,8 @@ def test_bundled_modules_define_distinct_top_level_names() -> None:
             for item in defined:
                 if item in ("__all__", "logger"):  # per-module by design, read only at import time
                     continue
+                if item == "__getattr__":  # PEP 562 hooks for classes registered lazily; the bundle registers its
+                    continue  # classes eagerly (export's auto_map lines), so no bundled module ever consults one
                 if item in owners:
                     clashes.append(f"{item}: {owners[item]} and {name}")
                 owners[item] = name

@@ -358,6 +358,3 @@ def register_attention_functions() -> None:
     warn_if_untested()
     register_attention(EAGER, _carrier(eager_attention, fused=False), mask="eager")
     register_attention(SDPA, _carrier(sdpa_attention(), fused=True), mask="sdpa")
-
-
-register_attention_functions()

@@ -94,6 +94,19 @@ def check_record(record: Any) -> dict[str, Any]:
 
 
 
+#: class name -> a function that builds it: classes registered lazily (``hf_posswap.persistence.autoload``) that
+#: pickle may look up on this module before anything built them
+LAZY_CLASSES: dict[str, Any] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562: a ``PosSwap<Config>`` class registered but not built yet (unpickling a config)."""
+    build = LAZY_CLASSES.get(name)
+    if build is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return build()
+
+
 def _publish(cls: type) -> type:
     """Make ``cls`` reachable as ``hf_posswap.core.state.<name>`` (what pickle looks up)."""
     globals().setdefault(cls.__name__, cls)  # a clash of names (never among the built-in families) stays unpicklable

@@ -30,7 +30,7 @@ from ..schemes.mix import LayerMix
 from ..schemes.rope import RopeConfig
 from ..schemes.two_pass import SelfExtend
 from ..transformers_internals import attention_implementation
-from .attention import CARRIERS
+from .attention import CARRIERS, register_attention_functions
 from .context import POSITIONS_ATTR, PositionForward, PositionHook
 from .mix import as_layer_mix, layer_plan, mix_on_layers, own_theta_per_layer_type
 from .native import check_loaded, install_native_restorers, unwrap_peft
@@ -95,6 +95,8 @@ def swap(
     wrapper, model = model, unwrap_peft(model)  # a peft model: swap the transformers model inside
     adapter = get_family(model)
     check_loaded(model)
+    register_attention_functions()  # registered on first use: it imports transformers' modeling utilities
+    adapter.prepare_checkpoints()
     config = resolve_scheme(scheme, options)
     if layers is not None:
         config = mix_on_layers(model, adapter, config, layers)

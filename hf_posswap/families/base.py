@@ -36,6 +36,11 @@ class FamilyAdapter:
     #: how a RoPE swap is carried when the family has a rotary module (the README's support matrix cell)
     native_rope_support: ClassVar[str] = "native: config.rope_parameters (partial: in attention)"
 
+    def prepare_checkpoints(self) -> None:
+        """Register with transformers what swapped checkpoints of this family need to save and load (e.g. weight
+        renamings). Runs when a model of the family is swapped and before a swapped checkpoint's class first loads,
+        not at import: it may import heavy parts of transformers. Idempotent; nothing by default."""
+
     # --- structure --------------------------------------------------------------------------------------------
     def base_model(self, model: nn.Module) -> nn.Module:
         """The transformer body (``GPT2Model``, ``BertModel``, ``LlamaModel``) whose forward gets the position hook."""

@@ -38,9 +38,6 @@ def _share_head_renaming() -> None:
         register_checkpoint_conversion_mapping(SWAPPED_MODEL_TYPE, conversions)
 
 
-_share_head_renaming()
-
-
 @register_family
 class GPTNeoXAdapter(FamilyAdapter):
     name = "gpt_neox"
@@ -48,6 +45,9 @@ class GPTNeoXAdapter(FamilyAdapter):
     native_positions = "partial RoPE (gpt_neox.rotary_emb, config.rope_parameters)"
     lora_target_modules = ("query_key_value", "dense")
     rotary_module_path = "rotary_emb"
+
+    def prepare_checkpoints(self) -> None:
+        _share_head_renaming()
     native_rope_support = "native: config.rope_parameters, partial too"
 
     def native_rope_edits(self, model: nn.Module, config: RopeConfig) -> list[Edit] | None:

@@ -31,7 +31,7 @@ from transformers import (
 
 from ..core.state import MODEL_TYPE_PREFIX, base_model_type, check_record, posswap_config_class  # noqa: F401
 from ..errors import InvalidConfigError
-from ..transformers_internals import config_mapping
+from ..transformers_internals import config_class_name, config_mapping, model_class_name, register_config_lazily
 
 AUTO_CLASSES = (
     AutoModel,
@@ -113,20 +113,65 @@ def _publish_model_class(cls: type) -> type:
     return cls
 
 
+class LazyModelClass:
+    """Stands in the Auto classes' registry for ``PosSwap<Base>`` until transformers first uses it: reading any
+    attribute (``from_pretrained``, ``_from_config``, ``__name__``) imports the family's modeling file, builds the
+    real class and reads it there. Registering the real classes at ``import hf_posswap`` would import the modeling
+    files of every family (and transformers' model-loading machinery) into every process that imports hf_posswap.
+
+    transformers keeps registered model classes as plain values of its mapping and only reads attributes of them;
+    ``config_class`` is known without building anything (the registration checks it)."""
+
+    def __init__(self, auto: Any, base_config: type, config_class: type, family: str) -> None:
+        self.config_class = config_class
+        self._auto, self._base_config, self._family = auto, base_config, family
+
+    @functools.cached_property
+    def real(self) -> type:
+        from ..families.base import FAMILY_REGISTRY
+
+        FAMILY_REGISTRY.get(self._family).prepare_checkpoints()
+        return posswap_model_class(self._auto._model_mapping[self._base_config])
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name not in ("__name__", "__qualname__", "__module__", "__doc__"):
+            raise AttributeError(name)  # copy, pickle and friends probe dunders: no import for them
+        return getattr(self.real, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.real(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<hf_posswap model class for {self.config_class.__name__} in {self._auto.__name__} (not built yet)>"
+
+
+#: lazily built model classes by the name their real class will have (what pickle looks up on this module)
+_LAZY_BY_NAME: dict[str, LazyModelClass] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562: ``PosSwap<Base>`` classes that pickle asks for before anything built them."""
+    lazy = _LAZY_BY_NAME.get(name)
+    if lazy is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return lazy.real
+
+
 def register_auto_classes(model_types: list[str]) -> None:
-    """Register the hf_posswap config and model subclasses of each family with transformers' Auto classes."""
+    """Register the hf_posswap config classes of each family with ``AutoConfig`` and stand-ins of its model classes
+    (:class:`LazyModelClass`) with each Auto model class that knows the family; the modeling files load only when a
+    swapped checkpoint of that family loads."""
     for model_type in model_types:
         base_config = config_mapping()[model_type]
         config_cls = posswap_config_class(base_config)
         AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
         for auto in AUTO_CLASSES:
-            try:
-                base_model = auto._model_mapping[base_config]
-            except KeyError:
+            base_name = model_class_name(auto, model_type)
+            if base_name is None:
                 continue
-            auto.register(config_cls, posswap_model_class(base_model), exist_ok=True)
-
-
+            lazy = LazyModelClass(auto, base_config, config_cls, model_type)
+            _LAZY_BY_NAME.setdefault(f"PosSwap{base_name}", lazy)
+            auto.register(config_cls, lazy, exist_ok=True)
 
 
 @functools.cache
@@ -134,11 +179,56 @@ def register() -> None:
     """Make transformers know hf_posswap: the attention functions (``posswap_eager``, ``posswap_sdpa``) and the
     config and model classes of every registered family, so ``AutoModel*.from_pretrained`` loads swapped checkpoints.
 
-    ``import hf_posswap`` calls it, except in the ``hf-posswap`` command's own process, which calls it (through
-    :func:`hf_posswap.persistence.loading.load_model` and the training loop) only once a model is about to load, so
-    that ``--help`` needs no torch. Idempotent."""
+    ``import hf_posswap`` registers the same lazily (:func:`register_config_classes`: nothing is imported until a
+    family is used); the ``hf-posswap`` command and the training loop call this once a model is about to load.
+    Idempotent."""
     from ..core.attention import register_attention_functions
     from ..core.swap import supported_families
 
     register_attention_functions()
     register_auto_classes(supported_families())
+
+
+class LazyConfigClass:
+    """Stands in ``AutoConfig``'s mapping for ``PosSwap<Config>`` of one family until transformers first reads it
+    (a swapped checkpoint's config.json names ``hf_posswap_<family>``): then the family's classes are built and
+    registered (:func:`register_auto_classes`) and the attribute is read from the real class."""
+
+    def __init__(self, family: str, name: str) -> None:
+        self.__name__ = self.__qualname__ = name  # read by transformers without building anything
+        self.model_type = MODEL_TYPE_PREFIX + family
+        self._family = family
+
+    @functools.cached_property
+    def real(self) -> type:
+        register_auto_classes([self._family])
+        return posswap_config_class(config_mapping()[self._family])
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name not in ("__module__", "__doc__"):
+            raise AttributeError(name)
+        return getattr(self.real, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.real(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<hf_posswap config class {self.__name__} (not built yet)>"
+
+
+@functools.cache
+def register_config_classes() -> None:
+    """What ``import hf_posswap`` registers: stand-ins of every family's config class in ``AutoConfig``'s mapping
+    (no configuration or modeling file is imported; each family's real classes are built when a swapped checkpoint
+    of it first loads). The attention functions are registered on first use too (a swap, a swapped checkpoint
+    loading); :func:`register` registers everything at once."""
+    from ..core.state import LAZY_CLASSES
+    from ..core.swap import supported_families
+
+    for family in supported_families():
+        base_name = config_class_name(family)
+        lazy = LazyConfigClass(family, f"PosSwap{base_name}")
+        if base_name is None or not register_config_lazily(lazy.model_type, lazy):
+            register_auto_classes([family])
+            continue
+        LAZY_CLASSES.setdefault(lazy.__name__, lambda lazy=lazy: lazy.real)
