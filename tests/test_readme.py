@@ -329,3 +329,36 @@ def test_cli_swap_and_extend(tmp_path) -> None:
     assert bad.returncode == 1
     assert bad.stderr.strip().splitlines()[-1].startswith(
         "hf-posswap extend: --to 32 is shorter than the model's current length 64")
+
+
+# --- the generated sections live in the pages that show them ------------------------------------------------------
+
+GENERATED = {  # marker name -> the page that holds it (the scripts rewrite it with --readme PAGE)
+    "support-matrix": "README.md", "demo-extension": "docs/results.md", "recipe-extend": "docs/results.md",
+    "recipe-convert": "docs/results.md", "recipe-convert-tiny": "docs/results.md", "bench-tiny": "docs/results.md",
+    "bench-speed": "docs/speed.md", "context-acceptance": "docs/extending-context.md",
+    "finetune-example": "docs/fine-tuning.md", "compatibility-table": "docs/compatibility.md",
+}
+
+
+@pytest.mark.parametrize(("name", "page"), GENERATED.items(), ids=list(GENERATED))
+def test_each_generated_section_is_in_its_page_once(name, page) -> None:
+    for path in DOCUMENTS:
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        expected = 1 if path == ROOT / page else 0
+        assert text.count(f"<!-- {name}:start -->") == expected == text.count(f"<!-- {name}:end -->"), (
+            f"{path.name}: the {name} section belongs in {page} only")
+
+
+def test_section_writers_name_the_page_and_link_pictures_from_it(tmp_path) -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from readme_section import picture_link, project_root, shown_path
+
+    page = ROOT / "docs" / "results.md"
+    picture = ROOT / "scripts" / "results" / "bench_tiny.png"
+    assert shown_path(page) == "docs/results.md" and shown_path(README) == "README.md"
+    assert picture_link(picture, page) == "../scripts/results/bench_tiny.png"
+    assert picture_link(picture, README) == "scripts/results/bench_tiny.png"
+    assert project_root(page) == ROOT  # a docs page's pictures go to the repository's scripts/results/
+    scratch = tmp_path / "README.md"  # a page outside the repository (tests write those) keeps its own folder
+    assert shown_path(scratch) == "README.md" and project_root(scratch) == tmp_path
