@@ -1,3 +1,3 @@
 """The package version (pyproject.toml says the same; a test checks)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

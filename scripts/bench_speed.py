@@ -10,7 +10,7 @@ model (VmHWM), the whole process and the increment over the same process idle ju
 from the caching allocator in this process (also for one training step). Every ratio a target is set for (TARGETS
 on the CPU, CUDA_TARGETS on a GPU) is marked pass (✓) or fail (✗).
 
-    python scripts/bench_speed.py --readme README.md   # 2,048 and 8,192 tokens, every case (35-45 min, 2 idle cores)
+    python scripts/bench_speed.py --readme docs/speed.md  # 2,048 and 8,192 tokens, every case (35-45 min, 2 idle cores)
     python scripts/bench_speed.py --cases llama-alibi --lengths 2048 --steps forward decode --output bench.md
     python scripts/bench_speed.py --quick              # tiny models, 64 tokens: checks that it runs (2-7 min)
     python scripts/bench_speed.py --device cuda --dtype bfloat16 --json gpu.json --budget-seconds 400
@@ -335,7 +335,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="start no new measurement after N seconds; what was measured is still written")
     parser.add_argument("--output", help="write the markdown tables here (after every measure)")
     parser.add_argument("--json", metavar="PATH", help="write the raw rows here as JSON (after every measure)")
-    parser.add_argument("--readme", help="README to refresh between <!-- bench-speed:start/end --> markers")
+    parser.add_argument("--readme", help="page (docs/speed.md) to refresh between its bench-speed markers")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():

@@ -145,7 +145,7 @@ def cpu_header(settings: argparse.Namespace) -> str:
         + (f"; glibc's mmap threshold fixed at {settings.mmap_threshold:,} bytes in those processes, so freed tensors "
            "leave the process and the peak follows live tensors, not heap fragmentation"
            if settings.mmap_threshold else "")
-        + ". ✓ / ✗: within / over issue 10's target. "
+        + ". ✓ / ✗: within / over the target. "
         + (f"Training steps up to {settings.max_train_length:,} tokens." if settings.max_train_length else ""))
 
 

@@ -15,7 +15,7 @@ briefly at the target length and evaluated again.
     python scripts/bench_tiny.py --until-retrieval 20000 --probe-every 1000   # train each run until it retrieves
     python scripts/bench_tiny.py --until-retrieval 20000 --confirm-retrieval 2 --probe-every 1000  # two probes in a row
     python scripts/bench_tiny.py --report a.json b.json  # redraw table and plot, merging runs of other seeds
-    python scripts/bench_tiny.py --quick --readme README.md   # also refresh the README section and its plot
+    python scripts/bench_tiny.py --quick --readme docs/results.md   # also refresh that section and its plot
 """
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", default="outputs/bench_tiny", help="where results.json/.md and the plot go")
     parser.add_argument("--overwrite-output-dir", action="store_true",
                         help="train into an --output-dir that holds an earlier run's results (replacing them)")
-    parser.add_argument("--readme", type=Path, help="README to refresh between <!-- bench-tiny:start/end --> markers")
+    parser.add_argument("--readme", type=Path, help="page (docs/results.md) to refresh between its bench-tiny markers")
     parser.add_argument("--report", type=Path, nargs="+",
                         help="only redraw the table and plot from earlier results.json files (several: runs of other "
                              "seeds with the same settings, merged)")
@@ -434,7 +434,7 @@ def report_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     """--report RESULTS... [--split DIR]: merge results, then redraw them, or write them as parts."""
     out = Path(args.output_dir)
     if args.split is not None and args.readme is not None:
-        parser.error("--split writes parts only; refresh the README with --report PARTS... --readme README.md")
+        parser.error("--split writes parts only; refresh the page with --report PARTS... --readme docs/results.md")
     written = out.resolve() / "results.json"
     if args.split is None and any(path.resolve() == written for path in args.report):
         parser.error(f"--report {written}: is the file this report writes; give another --output-dir")

@@ -1,6 +1,6 @@
 """Reporting for ``bench_tiny.py`` (Protocol A): merge the results of runs made for different seeds, write the
-markdown table and the plot, refresh the README section. Reads results only (``results.json``), so it can redraw
-runs made on another machine; it imports nothing from ``bench_tiny.py``.
+markdown table and the plot, refresh the section in docs/results.md. Reads results only (``results.json``), so it
+can redraw runs made on another machine; it imports nothing from ``bench_tiny.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from bench_tiny_curves import has_curves, ngram_perplexities, plot_curves
-from readme_section import replace_section
+from readme_section import picture_link, project_root, replace_section
 
 from hf_posswap.persistence.saving import write_file_atomic
 
@@ -350,7 +350,7 @@ def learning_curves(results: dict, path: Path) -> Path | None:
 
 def report(results: dict, out: Path, readme: Path | None) -> str:
     """Write results.json / results.md / bench_tiny.png (and learning_curves.png, with training probes) under
-    ``out`` (each atomically); refresh the README section if asked."""
+    ``out`` (each atomically); refresh the page's section if asked."""
     out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(results, indent=2)
     write_file_atomic(out / "results.json", text)
@@ -360,10 +360,11 @@ def report(results: dict, out: Path, readme: Path | None) -> str:
     plot(results, out / "bench_tiny.png")
     learning_curves(results, out / "learning_curves.png")
     if readme is not None:
-        plot(results, readme.resolve().parent / "scripts" / "results" / "bench_tiny.png")
+        picture = project_root(readme) / "scripts" / "results" / "bench_tiny.png"
+        plot(results, picture)
         section = (
             f"`{results['command']}` ({results['seconds'] / 60:.0f} min on {machines(results)}):\n\n{table}\n\n"
-            "![perplexity and passkey accuracy against length](scripts/results/bench_tiny.png)"
+            f"![perplexity and passkey accuracy against length]({picture_link(picture, readme)})"
         )
         replace_section(readme, "bench-tiny", section)
     return table

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from readme_section import replace_section
+from readme_section import picture_link, replace_section, shown_path
 from recipe_extend import tiny_checkpoint, training_files, window_perplexity
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -199,12 +199,10 @@ def markdown(results: dict) -> str:
 
 
 def readme_body(results: dict, results_path: Path, readme: Path) -> str:
-    """The README section: the command, the table, the curves."""
-    import os
-
-    picture = Path(os.path.relpath(results_path.with_suffix(".png"), readme.resolve().parent)).as_posix()
+    """The page's section: the command, the table, the curves."""
+    picture = picture_link(results_path.with_suffix(".png"), readme)
     command = "python scripts/recipe_convert.py" + (" --quick" if results["mode"] == "quick" else "")
-    return (f"`{command} --readme README.md` ({results['seconds'] / 60:.0f} min on {results['threads']} CPU "
+    return (f"`{command} --readme {shown_path(readme)}` ({results['seconds'] / 60:.0f} min on {results['threads']} CPU "
             f"threads, torch {torch.__version__}):\n\n{markdown(results)}\n![held-out perplexity against training "
             f"steps]({picture})\n")
 
@@ -237,7 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results", type=Path, help="JSON results (default: scripts/results/recipe_convert.json; "
                         "--quick: <work-dir>/recipe_convert.json); the table (.md) and curves (.png) go beside it")
     parser.add_argument("--readme", type=Path,
-                        help="README to refresh between <!-- recipe-convert:start/end --> markers")
+                        help="page (docs/results.md) to refresh between <!-- recipe-convert:start/end --> markers")
     return parser.parse_args(argv)
 
 

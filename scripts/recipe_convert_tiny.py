@@ -12,7 +12,7 @@ RoPE model trained for the same extra steps without a swap. SmolLM2 itself is in
 
     python scripts/recipe_convert_tiny.py            # full (seed 2; about 1 h on one CPU thread)
     python scripts/recipe_convert_tiny.py --quick    # tiny settings, for CI (seconds)
-    python scripts/recipe_convert_tiny.py --readme README.md   # also refresh the README section and plot
+    python scripts/recipe_convert_tiny.py --readme docs/results.md   # also refresh the section and plot there
 
 Writes ``scripts/results/recipe_convert_tiny.json``, ``.md`` and ``.png`` (``--quick``: under ``--work-dir``).
 A rerun reuses the trained RoPE model and the variants already measured in ``--work-dir``.
@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_tiny  # noqa: E402
-from readme_section import replace_section  # noqa: E402
+from readme_section import picture_link, replace_section  # noqa: E402
 
 import hf_posswap as ps  # noqa: E402
 from hf_posswap.evaluation import byte_tokenizer  # noqa: E402
@@ -281,7 +281,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the RoPE model and finished variants (default: outputs/recipe_convert_tiny[_quick])")
     parser.add_argument("--results", type=Path, help="JSON results (default: scripts/results/recipe_convert_tiny"
                         ".json; --quick: <work-dir>/recipe_convert_tiny.json); .md and .png go beside it")
-    parser.add_argument("--readme", type=Path, help="README to refresh between <!-- recipe-convert-tiny --> markers")
+    parser.add_argument("--readme", type=Path, help="page (docs/results.md) to refresh between its markers")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     return parser.parse_args(argv)
 
@@ -343,9 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
     write_file_atomic(results_path.with_suffix(".md"), table)
     plot(results, results_path.with_suffix(".png"))
     if args.readme is not None:
-        import os
-
-        picture = Path(os.path.relpath(results_path.with_suffix(".png"), args.readme.resolve().parent)).as_posix()
+        picture = picture_link(results_path.with_suffix(".png"), args.readme)
         replace_section(args.readme, "recipe-convert-tiny", f"`{results['command'].strip()}`:\n\n{table}\n"
                         f"![recalibration curves and perplexity against length]({picture})\n")
     print(table)

@@ -39,7 +39,7 @@ from hf_posswap.persistence.saving import write_file_atomic
 from hf_posswap.progress import is_terminal, library_bars
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_section import replace_section  # noqa: E402
+from readme_section import replace_section, shown_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_WINDOW, TARGET_INSIDE_RATIO = 5.0, 1.02  # issue 13: window <= 5.0; inside <= 1.02 x native
@@ -223,7 +223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue an interrupted training run in --work-dir")
     parser.add_argument("--skip-native", action="store_true", help="do not measure the native model")
     parser.add_argument("--readme", type=Path,
-                        help="README to refresh between <!-- recipe-extend:start/end --> markers")
+                        help="page (docs/results.md) to refresh between <!-- recipe-extend:start/end --> markers")
     parser.add_argument("--report", type=Path, metavar="RESULTS_JSON",
                         help="no run: rewrite the table (and --readme) from a finished run's results")
     return parser.parse_args(argv)
@@ -235,19 +235,19 @@ def main(argv: list[str] | None = None) -> dict:
         return run(args)
 
 
-def readme_body(results: dict) -> str:
-    """The README section: the command and its table."""
+def readme_body(results: dict, readme: Path) -> str:
+    """The page's section: the command and its table."""
     command = "python scripts/recipe_extend.py" + (" --quick" if results["mode"] == "quick" else "")
-    return (f"`{command} --readme README.md` ({results['seconds'] / 60:.0f} min in all on {results['threads']} CPU "
-            f"threads, Python {results['python']}):\n\n{markdown(results)}")
+    return (f"`{command} --readme {shown_path(readme)}` ({results['seconds'] / 60:.0f} min in all on "
+            f"{results['threads']} CPU threads, Python {results['python']}):\n\n{markdown(results)}")
 
 
 def report(args: argparse.Namespace) -> dict:
-    """``--report``: the table (.md beside the JSON) and the README section from a finished run's JSON."""
+    """``--report``: the table (.md beside the JSON) and the page's section from a finished run's JSON."""
     results = json.loads(args.report.read_text(encoding="utf-8"))
     write_file_atomic(args.report.with_suffix(".md"), markdown(results))
     if args.readme:
-        replace_section(args.readme, "recipe-extend", readme_body(results))
+        replace_section(args.readme, "recipe-extend", readme_body(results, args.readme))
     print(markdown(results))
     return results
 
@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> dict:
     table = markdown(results)
     write_file_atomic(results_path.with_suffix(".md"), table)
     if args.readme:
-        replace_section(args.readme, "recipe-extend", readme_body(results))
+        replace_section(args.readme, "recipe-extend", readme_body(results, args.readme))
     print(table)
     print(f"wrote {results_path} and {results_path.with_suffix('.md')} ({results['seconds']:.0f} s)")
     return results

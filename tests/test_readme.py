@@ -1,10 +1,10 @@
-"""The README cannot drift: every ```python and ```bash block in it runs (or is listed below with the reason it
-cannot), every `hf-posswap` command in it parses with the real command-line parsers, every `python scripts/...`
-command names a script and options that exist, every link points to a file in the repository, and its support
-matrix is the registries'.
+"""The README and the pages it links cannot drift: every ```python and ```bash block of README.md, CONTRIBUTING.md
+and docs/*.md runs (or is listed below with the reason it cannot), every `hf-posswap` command in them parses with
+the real command-line parsers, every `python scripts/...` command names a script and options that exist, every link
+points to a file (and heading) in the repository, and the README's support matrix is the registries'.
 
-Blocks run in a fresh working directory holding tiny stand-ins at the paths the README names (``STAND_INS``); the
-README text is executed as written except for the training budgets in ``BUDGET`` (500 optimizer steps are minutes
+Blocks run in a fresh working directory holding tiny stand-ins at the paths the documents name (``STAND_INS``);
+the text is executed as written except for the training budgets in ``BUDGET`` (500 optimizer steps are minutes
 even on a tiny model; the options themselves are all exercised).
 """
 
@@ -22,6 +22,8 @@ from conftest import save_tiny_checkpoint, write_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+# Every document whose blocks, commands and links are checked: the README, CONTRIBUTING and the task pages.
+DOCUMENTS = [README, ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # Paths the README's examples name, and the tiny stand-in the test puts there: a family for save_tiny_checkpoint,
 # or "corpus" for a directory of text files.
@@ -52,6 +54,13 @@ NOT_RUN = {
                                               "few steps",
     "python scripts/bench_tiny.py --report": "merges runs' results (GPU seeds, CPU parts); tests/test_benchmarks.py "
                                              "tests the merge",
+    "python -m pytest": "is this test suite (CONTRIBUTING's commands to run it)",
+    "ruff check": "lint; a development tool, not a package dependency",
+    "bash scripts/gpu_check.sh": "needs a CUDA GPU; its --rehearse mode runs the same steps on the CPU by hand",
+    "python scripts/bench_speed.py": "measures for minutes to most of an hour; tests/test_benchmarks.py runs it on "
+                                     "tiny settings",
+    "python scripts/bench_tiny.py --quick": "trains 14 tiny models (11 min); tests/test_benchmarks.py runs it for a "
+                                            "few steps",
     "accelerate launch": "needs two processes; tests/test_finetune.py::test_two_processes_train_data_parallel runs "
                          "finetune() under the same launcher",
 }
@@ -59,6 +68,16 @@ NOT_RUN = {
 
 def readme() -> str:
     return README.read_text(encoding="utf-8")
+
+
+def document_blocks(language: str) -> list[tuple[Path, int, str]]:
+    """(document, line number, code) of every fenced block of ``language`` in every checked document."""
+    return [(path, line, block) for path in DOCUMENTS if path.exists()
+            for line, block in code_blocks(path.read_text(encoding="utf-8"), language)]
+
+
+def block_id(path: Path, line: int) -> str:
+    return f"{path.relative_to(ROOT).as_posix()}:{line}"
 
 
 def code_blocks(text: str, language: str) -> list[tuple[int, str]]:
@@ -87,7 +106,7 @@ def not_run_reason(argv: list[str]) -> str | None:
 
 def cli_commands() -> list[list[str]]:
     """Every `hf-posswap ...` command of the README's bash blocks, without the program name."""
-    return [argv[1:] for _, block in code_blocks(readme(), "bash") for argv in shell_commands(block)
+    return [argv[1:] for _, _, block in document_blocks("bash") for argv in shell_commands(block)
             if argv[0] == "hf-posswap"]
 
 
@@ -116,13 +135,14 @@ def make_stand_ins(directory: Path, block: str) -> None:
 # --- the blocks are what the tests below run ---------------------------------------------------------------------
 
 
-def test_every_shell_command_in_the_readme_is_run_here_or_listed_with_its_reason() -> None:
-    commands = [argv for _, block in code_blocks(readme(), "bash") for argv in shell_commands(block)]
-    assert len(commands) >= 8, "the README's bash blocks were not found"
+def test_every_shell_command_in_the_documents_is_run_here_or_listed_with_its_reason() -> None:
+    assert len([argv for _, block in code_blocks(readme(), "bash") for argv in shell_commands(block)]) >= 8, (
+        "the README's bash blocks were not found")
+    commands = [argv for _, _, block in document_blocks("bash") for argv in shell_commands(block)]
     unknown = [" ".join(argv) for argv in commands if argv[0] != "hf-posswap" and not_run_reason(argv) is None]
     assert not unknown, f"commands this test neither runs nor lists in NOT_RUN: {unknown}"
     used = {prefix for prefix in NOT_RUN for argv in commands if " ".join(argv).startswith(prefix)}
-    assert used == set(NOT_RUN), f"NOT_RUN lists commands the README no longer shows: {set(NOT_RUN) - used}"
+    assert used == set(NOT_RUN), f"NOT_RUN lists commands no document shows any more: {set(NOT_RUN) - used}"
 
 
 class _Parsed(Exception):  # noqa: N818  (a signal, not an error)
@@ -164,8 +184,9 @@ def test_every_cli_command_in_the_readme_parses(argv, monkeypatch) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("line", "block"), code_blocks(readme(), "bash"), ids=lambda value: str(value)[:8])
-def test_readme_bash_block_runs_on_tiny_models(line, block, tmp_path, monkeypatch, capsys) -> None:
+@pytest.mark.parametrize(("path", "line", "block"),
+                         [pytest.param(*entry, id=block_id(*entry[:2])) for entry in document_blocks("bash")])
+def test_bash_block_runs_on_tiny_models(path, line, block, tmp_path, monkeypatch, capsys) -> None:
     """Every `hf-posswap` command of one block, in order, in-process, on the stand-ins."""
     from hf_posswap.cli.main import main
 
@@ -175,54 +196,75 @@ def test_readme_bash_block_runs_on_tiny_models(line, block, tmp_path, monkeypatc
         if not_run_reason(argv) is not None:
             continue
         code = main(argv[1:])
-        assert code == 0, f"README line {line}: `{' '.join(argv)}` exited {code}: {capsys.readouterr().err[-2000:]}"
+        assert code == 0, f"{block_id(path, line)}: `{' '.join(argv)}` exited {code}: {capsys.readouterr().err[-2000:]}"
 
 
 def python_blocks() -> list:
-    """The README's python blocks; those that train a model are slow."""
-    return [pytest.param(line, block, marks=[pytest.mark.slow] if "finetune(" in block else [], id=f"line{line}")
-            for line, block in code_blocks(readme(), "python")]
+    """Every document's python blocks; those that train a model are slow."""
+    return [pytest.param(path, line, block, marks=[pytest.mark.slow] if "finetune(" in block else [],
+                         id=block_id(path, line))
+            for path, line, block in document_blocks("python")]
 
 
-@pytest.mark.parametrize(("line", "block"), python_blocks())
-def test_readme_python_block_runs_on_tiny_models(line, block, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize(("path", "line", "block"), python_blocks())
+def test_python_block_runs_on_tiny_models(path, line, block, tmp_path, monkeypatch) -> None:
     make_stand_ins(tmp_path, block)
     monkeypatch.chdir(tmp_path)
-    exec(compile(with_budget(block), f"README.md, block at line {line}", "exec"), {"__name__": "__readme__"})
+    exec(compile(with_budget(block), f"{block_id(path, line)}, block", "exec"), {"__name__": "__readme__"})
 
 
 def test_readme_blocks_are_found() -> None:
     text = readme()
     assert len(code_blocks(text, "python")) >= 3 and len(code_blocks(text, "bash")) >= 3
-    assert sum(block.count("```") for _, block in code_blocks(text, "python")) == 0
+    assert sum(block.count("```") for _, _, block in document_blocks("python")) == 0
+
+
+def test_every_document_is_checked_and_linked_from_the_readme() -> None:
+    assert (ROOT / "CONTRIBUTING.md").exists() and len(DOCUMENTS) >= 10
+    links = set(re.findall(r"\]\(([^)#\s]+)", readme()))
+    unlinked = [path.relative_to(ROOT).as_posix() for path in DOCUMENTS[1:]
+                if path.relative_to(ROOT).as_posix() not in links]
+    assert not unlinked, f"pages the README does not link: {unlinked}"
 
 
 # --- commands in the running text, links ------------------------------------------------------------------------
 
 
-def test_script_commands_in_the_readme_name_scripts_and_options_that_exist() -> None:
-    commands = re.findall(r"`python (scripts/[\w./-]+\.py)((?: --?[\w-]+(?: [\w.=/-]+)*)*)`", readme())
-    assert len(commands) >= 4
+@pytest.mark.parametrize("path", DOCUMENTS, ids=lambda path: path.relative_to(ROOT).as_posix())
+def test_script_commands_name_scripts_and_options_that_exist(path) -> None:
+    commands = re.findall(r"`python (scripts/[\w./-]+\.py)((?: --?[\w-]+(?: [\w.=/-]+)*)*)`",
+                          path.read_text(encoding="utf-8"))
+    assert path != README or len(commands) >= 1
     for script, options in commands:
         source = (ROOT / script).read_text(encoding="utf-8")
         for option in re.findall(r"--[\w-]+", options):
-            assert f'"{option}"' in source, f"README: `python {script}{options}`: {script} has no {option} option"
+            assert f'"{option}"' in source, f"{path.name}: `python {script}{options}`: {script} has no {option} option"
 
 
-def test_links_in_the_readme_point_into_the_repository() -> None:
-    text = readme()
-    assert "../shared" not in text, "README points outside the repository"
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: path.relative_to(ROOT).as_posix())
+def test_links_point_into_the_repository(document) -> None:
+    """Relative to the document (pages under docs/ reach pictures with ../), anchors included, in-page ones too."""
+    text = document.read_text(encoding="utf-8")
+    assert "../shared" not in text, f"{document.name} points outside the repository"
     links = re.findall(r"\]\(([^)\s]+)\)", text)
-    assert any(link.startswith("docs/benchmarks.md") for link in links)
+    assert document != README or any(link.startswith("docs/benchmarks.md") for link in links)
     for link in links:
-        if link.startswith(("http://", "https://", "#")):
+        if link.startswith(("http://", "https://")):
             continue
         path, _, anchor = link.partition("#")
-        target = ROOT / path
-        assert target.exists(), f"README links to {link}, which does not exist"
+        target = (document.parent / path).resolve() if path else document
+        assert target.exists(), f"{document.name} links to {link}, which does not exist"
+        assert target.is_relative_to(ROOT), f"{document.name} links outside the repository: {link}"
         if anchor:
             headings = re.findall(r"^#+ (.+)$", target.read_text(encoding="utf-8"), re.MULTILINE)
-            assert anchor in {_anchor(heading) for heading in headings}, f"README links to a missing heading: {link}"
+            assert anchor in {_anchor(heading) for heading in headings}, (
+                f"{document.name} links to a missing heading: {link}")
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: path.relative_to(ROOT).as_posix())
+def test_documents_name_no_issue_numbers(document) -> None:
+    found = re.findall(r".{0,30}issue ?[0-9]+.{0,30}", document.read_text(encoding="utf-8"), re.IGNORECASE)
+    assert not found, f"{document.name} names work items instead of what they were: {found}"
 
 
 def _anchor(heading: str) -> str:
@@ -287,3 +329,36 @@ def test_cli_swap_and_extend(tmp_path) -> None:
     assert bad.returncode == 1
     assert bad.stderr.strip().splitlines()[-1].startswith(
         "hf-posswap extend: --to 32 is shorter than the model's current length 64")
+
+
+# --- the generated sections live in the pages that show them ------------------------------------------------------
+
+GENERATED = {  # marker name -> the page that holds it (the scripts rewrite it with --readme PAGE)
+    "support-matrix": "README.md", "demo-extension": "docs/results.md", "recipe-extend": "docs/results.md",
+    "recipe-convert": "docs/results.md", "recipe-convert-tiny": "docs/results.md", "bench-tiny": "docs/results.md",
+    "bench-speed": "docs/speed.md", "context-acceptance": "docs/extending-context.md",
+    "finetune-example": "docs/fine-tuning.md", "compatibility-table": "docs/compatibility.md",
+}
+
+
+@pytest.mark.parametrize(("name", "page"), GENERATED.items(), ids=list(GENERATED))
+def test_each_generated_section_is_in_its_page_once(name, page) -> None:
+    for path in DOCUMENTS:
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        expected = 1 if path == ROOT / page else 0
+        assert text.count(f"<!-- {name}:start -->") == expected == text.count(f"<!-- {name}:end -->"), (
+            f"{path.name}: the {name} section belongs in {page} only")
+
+
+def test_section_writers_name_the_page_and_link_pictures_from_it(tmp_path) -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from readme_section import picture_link, project_root, shown_path
+
+    page = ROOT / "docs" / "results.md"
+    picture = ROOT / "scripts" / "results" / "bench_tiny.png"
+    assert shown_path(page) == "docs/results.md" and shown_path(README) == "README.md"
+    assert picture_link(picture, page) == "../scripts/results/bench_tiny.png"
+    assert picture_link(picture, README) == "scripts/results/bench_tiny.png"
+    assert project_root(page) == ROOT  # a docs page's pictures go to the repository's scripts/results/
+    scratch = tmp_path / "README.md"  # a page outside the repository (tests write those) keeps its own folder
+    assert shown_path(scratch) == "README.md" and project_root(scratch) == tmp_path
