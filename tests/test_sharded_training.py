@@ -15,13 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import NATIVE_PAIRS, VOCAB, swapped
+from conftest import NATIVE_PAIRS, VOCAB, make_model, swapped
+
+import hf_posswap as ps
 
 WORLD = 2
 STEPS = 3
 BATCH, SEQ = 4, 24  # each process trains on BATCH // WORLD rows
 LR = 1e-2
 CASES = [(family, scheme) for family in ("llama", "gpt2") for scheme in ("rope", "alibi", "t5", "kerple", "fire")]
+CASES.append(("llama", "mix"))  # a layer mix: KERPLE in layer 0, a T5 table in layer 1
+BIAS_SCHEMES = {"alibi", "t5", "kerple", "fire", "mix"}
 RESUMED = ("llama", "t5")  # the run resumed from a sharded checkpoint
 RESUME_STEPS = 4
 
@@ -37,7 +41,11 @@ def _batch(step: int) -> torch.Tensor:
 def _model(family: str, scheme: str) -> torch.nn.Module:
     from hf_posswap.training.model import enable_checkpointing
 
-    model = swapped(family, scheme).train()
+    if scheme == "mix":
+        model = make_model(family).train()
+        ps.swap(model, ps.LayerMix(default="kerple", overrides={"t5": [1]}))
+    else:
+        model = swapped(family, scheme).train()
     enable_checkpointing(model)
     return model
 
@@ -72,16 +80,20 @@ def _train_alone(family: str, scheme: str) -> tuple[torch.nn.Module, list[float]
     return model, losses, grads
 
 
-def _train_sharded(family: str, scheme: str, rank: int) -> tuple[torch.nn.Module, list[float], dict]:
-    """The same steps with the model sharded and each process holding half of each batch."""
+def _train_sharded(family: str, scheme: str, rank: int) -> tuple[torch.nn.Module, list[float], dict, list[str]]:
+    """The same steps with the model sharded and each process holding half of each batch; also the attention paths
+    the forwards took."""
+    from hf_posswap.core.paths import record_paths
     from hf_posswap.training.sharding import shard_model
 
     model = shard_model(_model(family, scheme))
     optimizer = _optimizer(model)
     rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
-    losses, grads = [], {}
+    losses, grads, paths = [], {}, []
     for step in range(STEPS):
-        loss = _loss(model, _batch(step)[rows])
+        with record_paths() as taken:  # the attention paths the position context led to
+            loss = _loss(model, _batch(step)[rows])
+        paths += taken
         loss.backward()
         if step == 0:
             grads = {name: _whole(model.get_parameter(name).grad) for name in _position_names(model)}
@@ -90,7 +102,7 @@ def _train_sharded(family: str, scheme: str, rank: int) -> tuple[torch.nn.Module
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / WORLD)
-    return model, losses, grads
+    return model, losses, grads, sorted(set(paths))
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -106,12 +118,11 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def _compare_case(family: str, scheme: str, rank: int, directory: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    import hf_posswap as ps
     from hf_posswap.persistence.autoload import register
     from hf_posswap.training.sharding import full_state_dict, save_full_model
 
     start = time.perf_counter()
-    sharded, sharded_losses, sharded_grads = _train_sharded(family, scheme, rank)
+    sharded, sharded_losses, sharded_grads, paths = _train_sharded(family, scheme, rank)
     full = full_state_dict(sharded)
     sharded.eval()
     with torch.no_grad():
@@ -127,6 +138,7 @@ def _compare_case(family: str, scheme: str, rank: int, directory: Path) -> dict:
     return {
         "alone_losses": alone_losses,
         "sharded_losses": sharded_losses,
+        "paths": paths,
         "position_parameters": sorted(sharded_grads),
         "position_grad_diff": _max_diff(sharded_grads, alone_grads),
         "weights_diff": _max_diff(full, dict(alone.state_dict())),
@@ -219,7 +231,9 @@ def test_sharded_steps_equal_one_process(runs: dict, family: str, scheme: str) -
     assert case["weights_diff"] < 1e-6  # every weight after the steps, position modules included
     assert case["position_weights_diff"] < 1e-6
     assert case["position_grad_diff"] < 1e-6
-    if scheme in ("t5", "kerple", "fire"):  # schemes with parameters: they are sharded and trained
+    if scheme in BIAS_SCHEMES:  # the swap's forward wrapper still runs under fully_shard's hooks
+        assert case["paths"], case
+    if scheme in ("t5", "kerple", "fire", "mix"):  # schemes with parameters: they are sharded and trained
         assert case["position_parameters"], case
         assert case["position_weights_moved"] > 1e-6  # trained (gpt2's T5 table moves least: 6e-6)
         assert case["position_weights_diff"] <= 1e-3 * case["position_weights_moved"]
@@ -229,7 +243,8 @@ def test_sharded_steps_equal_one_process(runs: dict, family: str, scheme: str) -
 @pytest.mark.parametrize(("family", "scheme"), CASES, ids=[f"{f}-{s}" for f, s in CASES])
 def test_full_model_saved_from_shards_reloads_with_same_logits(runs: dict, family: str, scheme: str) -> None:
     case = runs[f"{family}-{scheme}"]
-    assert case["reloaded_scheme"] == ("native" if (family, scheme) in NATIVE_PAIRS else scheme)
+    described = {"mix": "layer_mix"}.get(scheme, scheme)
+    assert case["reloaded_scheme"] == ("native" if (family, scheme) in NATIVE_PAIRS else described)
     assert case["reloaded_logits_diff"] < 1e-5
 
 
