@@ -26,6 +26,7 @@ LR = 1e-2
 CASES = [(family, scheme) for family in ("llama", "gpt2") for scheme in ("rope", "alibi", "t5", "kerple", "fire")]
 CASES.append(("llama", "mix"))  # a layer mix: KERPLE in layer 0, a T5 table in layer 1
 BIAS_SCHEMES = {"alibi", "t5", "kerple", "fire", "mix"}
+BF16_CASES = [("llama", "t5"), ("gpt2", "fire")]  # also trained with parameters gathered in bf16
 RESUMED = ("llama", "t5")  # the run resumed from a sharded checkpoint
 RESUME_STEPS = 4
 
@@ -80,13 +81,14 @@ def _train_alone(family: str, scheme: str) -> tuple[torch.nn.Module, list[float]
     return model, losses, grads
 
 
-def _train_sharded(family: str, scheme: str, rank: int) -> tuple[torch.nn.Module, list[float], dict, list[str]]:
+def _train_sharded(family: str, scheme: str, rank: int,
+                   mixed_precision: str | None = None) -> tuple[torch.nn.Module, list[float], dict, list[str]]:
     """The same steps with the model sharded and each process holding half of each batch; also the attention paths
     the forwards took."""
     from hf_posswap.core.paths import record_paths
     from hf_posswap.training.sharding import shard_model
 
-    model = shard_model(_model(family, scheme))
+    model = shard_model(_model(family, scheme), mixed_precision=mixed_precision)
     optimizer = _optimizer(model)
     rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
     losses, grads, paths = [], {}, []
@@ -153,6 +155,21 @@ def _compare_case(family: str, scheme: str, rank: int, directory: Path) -> dict:
     }
 
 
+def _bf16_case(family: str, scheme: str, rank: int) -> dict:
+    """The sharded steps with parameters gathered in bf16 (gradients reduced in float32)."""
+    dtypes = set()
+
+    def attention_dtype(module: torch.nn.Module, args: tuple, output) -> None:
+        if type(module).__name__.endswith("Attention"):
+            dtypes.add(str((output[0] if isinstance(output, tuple) else output).dtype))
+
+    with torch.nn.modules.module.register_module_forward_hook(attention_dtype):
+        model, losses, grads, paths = _train_sharded(family, scheme, rank, mixed_precision="bf16")
+    return {"losses": losses, "paths": paths, "grad_dtypes": sorted({str(grad.dtype) for grad in grads.values()}),
+            "attention_dtypes": sorted(dtypes),
+            "finite_grads": all(bool(torch.isfinite(grad).all()) for grad in grads.values())}
+
+
 def _resume_run(rank: int, output: Path, start_from: Path | None) -> list[float]:
     """RESUMED trained sharded to RESUME_STEPS with a warm-up schedule, saving a DCP checkpoint half way; with
     ``start_from`` it first loads that checkpoint and trains the remaining steps. Returns the mean losses."""
@@ -191,6 +208,8 @@ def _worker(rank: int, port: int, task: str, directory: str) -> None:
         if task == "compare":
             for family, scheme in CASES:
                 results[f"{family}-{scheme}"] = _compare_case(family, scheme, rank, root / f"{family}-{scheme}")
+            for family, scheme in BF16_CASES:
+                results[f"bf16-{family}-{scheme}"] = _bf16_case(family, scheme, rank)
             results["straight"] = _resume_run(rank, root / "run", None)
         else:
             from hf_posswap.training.sharded_checkpoint import latest_sharded_checkpoint
@@ -246,6 +265,16 @@ def test_full_model_saved_from_shards_reloads_with_same_logits(runs: dict, famil
     described = {"mix": "layer_mix"}.get(scheme, scheme)
     assert case["reloaded_scheme"] == ("native" if (family, scheme) in NATIVE_PAIRS else described)
     assert case["reloaded_logits_diff"] < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "scheme"), BF16_CASES, ids=[f"{f}-{s}" for f, s in BF16_CASES])
+def test_bf16_sharded_training_keeps_the_positions(runs: dict, family: str, scheme: str) -> None:
+    case, full = runs[f"bf16-{family}-{scheme}"], runs[f"{family}-{scheme}"]
+    assert case["paths"]  # the position context reached attention through the bf16 casts
+    assert case["finite_grads"] and case["grad_dtypes"] == ["torch.float32"]
+    assert case["attention_dtypes"] == ["torch.bfloat16"], case
+    assert case["losses"] == pytest.approx(full["sharded_losses"], abs=2e-3)  # measured: within 1.5e-4
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ torchtitan's ``apply_fsdp`` (a unit per transformer block, then the root).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +57,37 @@ def shard_model(model: nn.Module, mesh: Any = None, reshard_after_forward: bool 
         )
     mesh = mesh if mesh is not None else _default_mesh()
     scalars = replicate_scalars(model, mesh)
-    options = {"mesh": mesh, "mp_policy": _precision_policy(mixed_precision), "ignored_params": scalars}
+    policy = _precision_policy(mixed_precision)
+    # FSDP's own input cast rebuilds every dataclass in a layer's arguments (torch's _apply_to_tensors), the position
+    # context included: attention would then fill a copy's memo and mark a copy as reached. Layers cast their
+    # top-level tensor arguments with CastInputs instead.
+    layer_policy = dataclasses.replace(policy, cast_forward_inputs=False)
     for layer in layers:
-        fully_shard(layer, reshard_after_forward=reshard_after_forward, **options)
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            layer.register_forward_pre_hook(CastInputs(policy.param_dtype), with_kwargs=True)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=layer_policy,
+                    ignored_params=scalars)
     # the root without reshard_after_forward: FSDP2 then keeps it gathered from its forward to the end of backward
-    fully_shard(model, **options)
+    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=scalars)
     return model
+
+
+class CastInputs:
+    """A forward pre-hook casting a layer's floating-point tensor arguments (and tuples of them, such as LLaMA's
+    ``position_embeddings``) to ``dtype``; other objects, the position context among them, pass untouched."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        return tuple(map(self._cast, args)), {key: self._cast(value) for key, value in kwargs.items()}
+
+    def _cast(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(self.dtype) if value.is_floating_point() else value
+        if type(value) in (tuple, list):
+            return type(value)(self._cast(item) for item in value)
+        return value
 
 
 def replicate_scalars(model: nn.Module, mesh: Any) -> set[nn.Parameter]:
@@ -94,7 +120,8 @@ def transformer_layers(model: nn.Module) -> list[nn.Module]:
     layers = []
     for module in model.modules():
         if isinstance(module, nn.ModuleList):
-            layers.extend(child for child in module if type(child).__name__ in names)
+            # fully_shard renames a sharded layer's class FSDP<name>
+            layers.extend(child for child in module if type(child).__name__.removeprefix("FSDP") in names)
     return layers
 
 
