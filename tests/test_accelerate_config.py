@@ -98,3 +98,25 @@ def test_command_line_passes_the_file(tmp_path: Path) -> None:
     assert config_from_args(args).accelerate_config == "fsdp.yaml"
     with pytest.raises(InvalidConfigError, match="accelerate_config"):
         FinetuneConfig(model="m", data=["d"], output="o", accelerate_config=" ")
+
+
+def test_mixed_precision_leaves_the_casts_to_the_layers(tmp_path: Path) -> None:
+    """accelerate's own bf16 policy casts layer inputs by rebuilding dataclasses (the position context among them):
+    the plugin's policy casts nothing and each layer casts its own tensor arguments."""
+    import torch
+    from conftest import swapped
+
+    from hf_posswap.training.accelerate_config import fit_layers_for_fsdp
+    from hf_posswap.training.sharding import CastInputs, transformer_layers
+
+    plugin = fsdp_plugin(write(tmp_path, FSDP2_YAML), cuda=True, mixed_precision="bf16")
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype, policy.cast_forward_inputs) == (torch.bfloat16, torch.float32,
+                                                                                     False)
+    model = swapped("llama", "t5")
+    fit_layers_for_fsdp(model, "bf16")
+    layers = transformer_layers(model)
+    assert len(layers) == 2
+    assert all(any(isinstance(hook, CastInputs) for hook in layer._forward_pre_hooks.values()) for layer in layers)
+    with pytest.raises(InvalidConfigError, match="0-dim parameters .*shard_model"):
+        fit_layers_for_fsdp(swapped("llama", "fire"), "no")

@@ -11,7 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..errors import InvalidConfigError, one_line
+from .sharding import PRECISIONS
 
 #: ``fsdp_config`` keys whose plugin argument is not the key without its ``fsdp_`` prefix (accelerate's launcher
 #: maps them the same way, through its ``FSDP_*`` environment variables)
@@ -50,9 +53,11 @@ def fsdp_plugin_options(settings: dict[str, Any]) -> dict[str, Any] | None:
     return _plugin_arguments(section)
 
 
-def fsdp_plugin(path: str | Path, cuda: bool) -> Any:
+def fsdp_plugin(path: str | Path, cuda: bool, mixed_precision: str = "no") -> Any:
     """The ``FullyShardedDataParallelPlugin`` the file at ``path`` asks for (``None``: it asks for no sharding).
-    Without CUDA a file that asks for FSDP is refused (see the module doc)."""
+    Without CUDA a file that asks for FSDP is refused (see the module doc). With ``mixed_precision`` (``bf16`` /
+    ``fp16``) its policy leaves the layers' inputs uncast: :func:`fit_layers_for_fsdp` casts them instead (accelerate's
+    own policy casts through torch's ``_apply_to_tensors``, which rebuilds the position context dataclass per layer)."""
     options = fsdp_plugin_options(read_accelerate_config(path))
     if options is None:
         return None
@@ -60,7 +65,30 @@ def fsdp_plugin(path: str | Path, cuda: bool) -> Any:
         raise InvalidConfigError(f"accelerate config {str(path)!r} asks for FSDP: {CPU_ADVICE}")
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    return FullyShardedDataParallelPlugin(**options)
+    plugin = FullyShardedDataParallelPlugin(**options)
+    if mixed_precision in PRECISIONS and plugin.fsdp_version == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[mixed_precision],
+                                                             reduce_dtype=torch.float32, cast_forward_inputs=False)
+    return plugin
+
+
+def fit_layers_for_fsdp(model: Any, mixed_precision: str) -> None:
+    """Before accelerate shards ``model``: refuse 0-dim parameters (FIRE's; accelerate's ``fully_shard`` cannot
+    shard them and would leave them unsynchronised if ignored) and, in mixed precision, let each transformer layer
+    cast its own tensor arguments (see :func:`fsdp_plugin`)."""
+    from .sharding import CastInputs, transformer_layers
+
+    scalars = [name for name, param in model.named_parameters() if param.ndim == 0]
+    if scalars:
+        raise InvalidConfigError(
+            f"accelerate's FSDP cannot shard the 0-dim parameters {', '.join(scalars[:3])} (FIRE's); train this model "
+            "with hf_posswap.training.sharding.shard_model, which replicates them, or without --accelerate-config."
+        )
+    if mixed_precision in PRECISIONS:
+        for layer in transformer_layers(model):
+            layer.register_forward_pre_hook(CastInputs(PRECISIONS[mixed_precision]), with_kwargs=True)
 
 
 def _plugin_arguments(section: dict[str, Any]) -> dict[str, Any]:

@@ -117,6 +117,10 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
         enable_checkpointing(model)
     if config.lora:
         model = with_lora(model, config)
+    if getattr(accelerator.state, "fsdp_plugin", None) is not None:  # sharded by accelerate (CUDA only)
+        from .accelerate_config import fit_layers_for_fsdp
+
+        fit_layers_for_fsdp(model, config.mixed_precision)
 
     token_ids = pack(documents, tokenizer, config.seq_len)
     train_set, eval_set = train_eval_split(token_ids, config.seq_len, config.eval_fraction)
@@ -236,7 +240,7 @@ def _fsdp_plugin(config: FinetuneConfig):
         return None
     from .accelerate_config import fsdp_plugin
 
-    plugin = fsdp_plugin(config.accelerate_config, torch.cuda.is_available())
+    plugin = fsdp_plugin(config.accelerate_config, torch.cuda.is_available(), config.mixed_precision)
     if plugin is not None and config.lora:
         raise InvalidConfigError("--lora with an FSDP accelerate config is not supported: train LoRA adapters "
                                  "data parallel (without --accelerate-config), or the full model sharded.")
