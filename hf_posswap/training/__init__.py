@@ -1,4 +1,5 @@
-"""Fine-tuning swapped models with accelerate (and peft for LoRA).
+"""Fine-tuning swapped models with accelerate (and peft for LoRA); sharded (FSDP2) training pieces in
+:mod:`.sharding` (``shard_model``, ``save_full_model``) and :mod:`.sharded_checkpoint`.
 
 ``FinetuneConfig`` and the command line (``config``) need no torch; ``finetune`` (the loop, with torch and
 accelerate) is imported on first use, so ``hf-posswap finetune --help`` answers at once."""

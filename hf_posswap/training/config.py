@@ -41,6 +41,9 @@ class FinetuneConfig:
         save_every: checkpoint every N steps (atomic; ``resume`` continues from the newest valid one).
         resume: continue the run in ``output``; only ``RESUME_SAFE`` settings may differ from the recorded ones.
         overwrite_output_dir: replace a previous run in ``output`` (only the files a run writes are removed).
+        accelerate_config: an ``accelerate config`` file (yaml) whose FSDP settings (``distributed_type: FSDP``,
+            ``fsdp_config``) are passed to ``Accelerator(fsdp_plugin=...)``; needs CUDA (on CPU the run is refused:
+            use ``hf_posswap.training.sharding.shard_model``).
         progress: report the steps on stderr (a bar on a terminal, plain lines with the loss, elapsed time and ETA
             in a log), from the local main process only; ``False`` (``--no-progress``) for silence.
     """
@@ -82,6 +85,7 @@ class FinetuneConfig:
     resume: bool = False
     overwrite_output_dir: bool = False
     seed: int = 0
+    accelerate_config: str | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -97,6 +101,10 @@ class FinetuneConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
                 raise InvalidConfigError(f"FinetuneConfig.{name} must be a non-empty path, got {value!r}.")
+        if self.accelerate_config is not None and (
+                not isinstance(self.accelerate_config, str) or not self.accelerate_config.strip()):
+            raise InvalidConfigError(
+                f"FinetuneConfig.accelerate_config must be a file path or None, got {self.accelerate_config!r}.")
         if not self.data or not all(isinstance(item, str) and item.strip() for item in self.data):
             raise InvalidConfigError(f"FinetuneConfig.data must name files or globs, got {self.data!r}.")
 
@@ -243,6 +251,8 @@ def build_parser(prog: str = "hf-posswap finetune",
     parser.add_argument("--lr-schedule", default="cosine", help=f"one of {', '.join(LR_SCHEDULES)}")
     parser.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="no",
                         help="train in reduced precision through accelerate")
+    parser.add_argument("--accelerate-config", metavar="YAML",
+                        help="an `accelerate config` file whose FSDP settings shard the model (needs CUDA)")
     parser.add_argument("--text-field", default="text", help="jsonl / datasets field holding the text")
     for flag, text in FLAGS:
         parser.add_argument(f"--{flag}", action="store_true", help=text)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from ..errors import InvalidConfigError
 from ..persistence.quiet import LOSS_TYPE_NOTE, SHARED_TENSOR_NOTE, hidden_logs
 from ..progress import Progress, is_terminal, library_bars
 from .config import FinetuneConfig
@@ -69,12 +70,14 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     check_positions(config)
     objective = resolve_objective(config)
     check_output(config)
+    fsdp = _fsdp_plugin(config)
     # cpu=True on machines without CUDA makes torchrun-launched processes (`accelerate launch --multi_gpu`,
     # `torchrun`) train data-parallel over gloo instead of each running alone.
     accelerator = Accelerator(
         gradient_accumulation_steps=config.grad_accum,
         mixed_precision=config.mixed_precision,
         cpu=not torch.cuda.is_available(),
+        fsdp_plugin=fsdp,
     )
     set_seed(config.seed)
     output = Path(config.output).expanduser()
@@ -114,6 +117,10 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
         enable_checkpointing(model)
     if config.lora:
         model = with_lora(model, config)
+    if getattr(accelerator.state, "fsdp_plugin", None) is not None:  # sharded by accelerate (CUDA only)
+        from .accelerate_config import fit_layers_for_fsdp
+
+        fit_layers_for_fsdp(model, config.mixed_precision)
 
     token_ids = pack(documents, tokenizer, config.seq_len)
     train_set, eval_set = train_eval_split(token_ids, config.seq_len, config.eval_fraction)
@@ -126,6 +133,7 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
     scheduler = get_scheduler(config.lr_schedule, optimizer, config.warmup_steps, config.steps)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP's prepare replaces them by shards
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
 
@@ -142,7 +150,7 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
     if not all_finite(trainable):
         raise diverged(position["step"], "final weights' value", math.nan, config, _last_saved(output))
     result_dir = save_result(accelerator, model, tokenizer, output, config)
-    checksum = float(sum(p.detach().double().sum() for p in trainable))  # equal in every process after DDP
+    checksum = float(sum(_whole(p).detach().double().sum() for p in trainable))  # equal in every process
     return {
         "train_loss": last_loss,
         "eval_loss": eval_loss,
@@ -223,6 +231,26 @@ def _check_gradients(accelerator, trainable, config: FinetuneConfig, step: int, 
 
 
 # --- pieces ---------------------------------------------------------------------------------------------------
+
+
+def _fsdp_plugin(config: FinetuneConfig):
+    """accelerate's FSDP plugin from ``config.accelerate_config`` (``None`` without one, or when it asks for no
+    sharding); refused without CUDA and with LoRA (adapters are saved from the whole model)."""
+    if config.accelerate_config is None:
+        return None
+    from .accelerate_config import fsdp_plugin
+
+    plugin = fsdp_plugin(config.accelerate_config, torch.cuda.is_available(), config.mixed_precision)
+    if plugin is not None and config.lora:
+        raise InvalidConfigError("--lora with an FSDP accelerate config is not supported: train LoRA adapters "
+                                 "data parallel (without --accelerate-config), or the full model sharded.")
+    return plugin
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter sharded by FSDP gathered from every process (every process must call it); others as they are."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else tensor
 
 
 def _fresh_accelerate_state() -> None:

@@ -139,6 +139,8 @@ def save_result(accelerator, model, tokenizer, output: Path, config: FinetuneCon
     """The final model (or adapter, and with ``merge_lora`` the merged model), written atomically."""
     accelerator.wait_for_everyone()
     final = output / ("adapter" if config.lora else "final")
+    # a sharded (FSDP) model is gathered by every process; the main one writes it
+    whole = accelerator.get_state_dict(model) if _sharded(accelerator) else None
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
         staging = _fresh_staging(final)
@@ -147,7 +149,7 @@ def save_result(accelerator, model, tokenizer, output: Path, config: FinetuneCon
 
             save_adapter(unwrapped, staging)
         else:
-            unwrapped.save_pretrained(staging)
+            unwrapped.save_pretrained(staging, state_dict=whole)
         tokenizer.save_pretrained(staging)
         _swap_in(staging, final)
         if config.merge_lora:
@@ -158,6 +160,12 @@ def save_result(accelerator, model, tokenizer, output: Path, config: FinetuneCon
             _swap_in(staging, merged_dir)
     accelerator.wait_for_everyone()
     return final
+
+
+def _sharded(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
 
 
 def _fresh_staging(target: Path) -> Path:
