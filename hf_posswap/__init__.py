@@ -98,7 +98,8 @@ _EXPORTS = {
     "self_check": "evaluation.self_check",
     "save_native": "persistence.native_smollm3",
 }
-_ON_FIRST_USE = ("core.context_parallel", "persistence.adapters", "persistence.export", "persistence.native_smollm3", "evaluation.self_check")
+_ON_FIRST_USE = ("core.context_parallel", "persistence.adapters", "persistence.export", "persistence.native_smollm3",
+                 "evaluation.self_check")
 #: the names pip gives the ``hf-posswap`` console script (POSIX; Windows launcher and its script)
 _CONSOLE_SCRIPTS = ("hf-posswap", "hf-posswap.exe", "hf-posswap-script.py")
 #: the ``-m`` targets that are the command line

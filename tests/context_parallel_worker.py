@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from conftest import MAX_POSITIONS, make_model, swapped  # noqa: E402
+
 import hf_posswap as ps  # noqa: E402
-from conftest import MAX_POSITIONS, make_model, scheme_config, swapped  # noqa: E402
 from hf_posswap.core.paths import record_paths  # noqa: E402
 
 LENGTH = 40  # split unevenly across 3 ranks (14, 13, 13)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_model, swapped
 
 import hf_posswap as ps
-from conftest import make_model, swapped
 from hf_posswap.core.context import PositionContext
 from hf_posswap.core.context_parallel import RingGroup, ring_attention
 from hf_posswap.core.ring_math import KeyBlock, QueryBlock, block_logits, block_mask, block_partial, merge_partials
