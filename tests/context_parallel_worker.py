@@ -45,6 +45,12 @@ def mixed(family: str) -> torch.nn.Module:
                                       overrides=[(t5, [1])]))
 
 
+def irope() -> torch.nn.Module:
+    """Llama 4's layout: RoPE layers and NoPE layers with a query temperature that grows with the position."""
+    model = make_model("llama")
+    return ps.swap(model, ps.llama4_irope(model, no_rope_layer_interval=2, floor_scale=4))
+
+
 CASES: dict[str, Callable[[], torch.nn.Module]] = {
     "llama-xpos": lambda: swapped("llama", "xpos"),  # rotary with a key scale: one reference for every shard
     "bert-rope": lambda: swapped("bert", "rope"),
@@ -52,6 +58,8 @@ CASES: dict[str, Callable[[], torch.nn.Module]] = {
        for family in ("llama", "bert") for scheme in ("alibi", "t5", "kerple", "fire")},
     "llama-layer-mix": lambda: mixed("llama"),
     "bert-layer-mix": lambda: mixed("bert"),
+    "llama-irope": lambda: irope(),
+    "gpt2-alibi": lambda: swapped("gpt2", "alibi"),
     "llama-self-extend": lambda: self_extend("llama"),
     "bert-self-extend": lambda: self_extend("bert"),
 }
@@ -104,7 +112,7 @@ def _checked_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The position scheme's trainable parameters and the first layer's query projection weight."""
     positions = getattr(model.base_model, "posswap_positions", None)
     own = [p for p in positions.parameters() if p.requires_grad] if positions is not None else []
-    query = next(p for n, p in model.named_parameters() if n.endswith(("q_proj.weight", "query.weight")))
+    query = next(p for n, p in model.named_parameters() if n.endswith(("q_proj.weight", "query.weight", "c_attn.weight")))
     return [*own, query]
 
 
