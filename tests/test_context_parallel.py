@@ -8,6 +8,7 @@ refusals. Slow: 2 and 3 gloo processes (tests/context_parallel_worker.py) runnin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -20,6 +21,8 @@ import torch
 from conftest import make_model, swapped
 
 import hf_posswap as ps
+from hf_posswap.core import context_parallel
+from hf_posswap.core.attention import eager_attention, scheme_inputs
 from hf_posswap.core.context import PositionContext
 from hf_posswap.core.context_parallel import RingGroup, ring_attention
 from hf_posswap.core.ring_math import KeyBlock, QueryBlock, block_logits, block_mask, block_partial, merge_partials
@@ -127,6 +130,24 @@ def test_the_ring_of_self_extend_equals_the_chunked_path(causal: bool) -> None:
     assert (plain - output).abs().max() > 1e-2  # grouping moved the logits: the check above can fail
 
 
+@pytest.mark.parametrize("scheme", ["t5", "xpos"])
+def test_one_rank_in_query_chunks_equals_the_dense_carrier(monkeypatch: pytest.MonkeyPatch, scheme: str) -> None:
+    monkeypatch.setattr(context_parallel, "CHUNK_ELEMENTS", 2 * HEADS * LENGTH * 5)  # 5 query rows per chunk
+    config = ps.T5BiasConfig(num_buckets=8, max_distance=16) if scheme == "t5" else ps.XposConfig()
+    positions = config.resolve(SPEC).build(SPEC)
+    for parameter in positions.parameters():
+        torch.nn.init.normal_(parameter)
+    context = PositionContext(positions, config.kind, 0, lambda module: True)
+    attention = torch.nn.Module()
+    attention.is_causal, attention.layer_idx, attention.num_key_value_groups = True, 0, HEADS // KV_HEADS
+    query, key, value = qkv()
+    shard = context_parallel.RingShard(None, 0, 1, (0,), (LENGTH,), None, None)
+    output = ring_attention(attention, query, key, value, context, shard, SCALE, 0.0)  # [B, L, H, D]
+    query, key, mask = scheme_inputs(attention, query, key, None, dataclasses.replace(context, memo={}))
+    expected, _ = eager_attention(attention, query, key, value, mask, SCALE)
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_a_model_without_a_position_hook_is_refused() -> None:
     with pytest.raises(ps.InvalidConfigError, match="no hf_posswap position hook"):
         with ps.context_parallel(make_model("llama")):
@@ -159,11 +180,13 @@ WORKER = Path(__file__).with_name("context_parallel_worker.py")
 TWO_RANKS = [
     ("llama-xpos", True), ("bert-rope", True), ("llama-alibi", True), ("bert-alibi", True), ("llama-t5", True),
     ("bert-t5", True), ("llama-kerple", True), ("bert-kerple", False), ("llama-fire", True), ("bert-fire", True),
-    ("llama-layer-mix", True), ("bert-layer-mix", True), ("llama-irope", True), ("llama-self-extend", False), ("llama-self-extend", True),
+    ("llama-layer-mix", True), ("bert-layer-mix", True), ("llama-irope", True), ("llama-self-extend", False),
+    ("llama-self-extend", True),
     ("bert-self-extend", True),
 ]
 #: uneven shards (14, 13, 13 tokens)
-THREE_RANKS = [("gpt2-alibi", True), ("llama-t5", True), ("bert-fire", False), ("llama-layer-mix", False), ("llama-self-extend", True)]
+THREE_RANKS = [("gpt2-alibi", True), ("llama-t5", True), ("bert-fire", False), ("llama-layer-mix", False),
+               ("llama-self-extend", True)]
 
 
 def free_port() -> int:

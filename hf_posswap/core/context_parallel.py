@@ -42,7 +42,7 @@ from .context import PositionContext, PositionForward, PositionHook
 from .paths import note_path
 from .ring_math import KeyBlock, QueryBlock, block_logits, block_mask, block_partial, merge_partials
 from .rotary_cache import angles, rotate
-from .self_extend import far_positions
+from .self_extend import CHUNK_ELEMENTS, chunk_size, far_positions
 
 #: the path :mod:`hf_posswap.core.paths` records for a ring attention call
 RING = "ring"
@@ -213,13 +213,36 @@ def ring_attention(
         if causal and source > shard.rank:  # wholly in the future
             continue
         block = _unpack(packed, own, _key_block_positions(context, shard, source, query.device))
-        bias = _block_bias(module, context, queries, block, causal)
-        logits = block_logits(queries, block, scale, bias, settings, causal, row_end)
-        partials.append(block_partial(logits, block_mask(queries.index, block, causal), block.values))
+        partials.append(_block_pair(module, context, queries, block, scale, settings, causal, row_end))
     output = merge_partials(partials)
     if packed.requires_grad and torch.is_grad_enabled():  # every shift in the graph: ranks' backwards must pair up
         output = output + 0.0 * packed.sum()
     return output.to(query.dtype).transpose(1, 2).contiguous()  # [B, H, q, Dv] -> [B, q, H, Dv]
+
+
+def _block_pair(
+    module: nn.Module,
+    context: PositionContext,
+    queries: QueryBlock,
+    block: KeyBlock,
+    scale: float,
+    settings: TwoPassSettings | None,
+    causal: bool,
+    row_end: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output [B, H, q, Dv], lse [B, H, q]) of this rank's queries against one key shard, in query chunks that
+    hold at most :data:`CHUNK_ELEMENTS` logits each (without a gradient, that bounds the memory of a long shard)."""
+    batch, heads, q_len, _ = queries.queries.shape
+    step = chunk_size(batch, heads, block.keys.shape[2], CHUNK_ELEMENTS)
+    outputs, lses = [], []
+    for start in range(0, q_len, step):
+        rows = queries.rows(slice(start, start + step))
+        bias = _block_bias(module, context, rows, block, causal)
+        logits = block_logits(rows, block, scale, bias, settings, causal, row_end)  # [B, H, chunk, n]
+        output, lse = block_partial(logits, block_mask(rows.index, block, causal), block.values)
+        outputs.append(output)
+        lses.append(lse)
+    return torch.cat(outputs, dim=2), torch.cat(lses, dim=2)
 
 
 def _key_block_positions(context: PositionContext, shard: RingShard, rank: int, device: torch.device) -> tuple:

@@ -48,6 +48,11 @@ class QueryBlock:
     index: torch.Tensor
     positions: torch.Tensor
 
+    def rows(self, rows: slice) -> QueryBlock:
+        """The queries of ``rows`` (a chunk of the shard)."""
+        far = None if self.far_queries is None else self.far_queries[:, :, rows]
+        return QueryBlock(self.queries[:, :, rows], far, self.index[rows], self.positions[..., rows])
+
 
 def grouped_logits(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """q [B, H, q, D] · k [B, Hkv, n, D] -> logits [B, H, q, n] (grouped-query heads without repeating keys)."""
