@@ -17,10 +17,11 @@ Why a ring of its own: ``torch.distributed.tensor.experimental.context_parallel`
 scheme (ALiBi, T5, KERPLE, FIRE, Sandwich) needs the bias of each (query block, key block) pair, computed from that
 pair's global positions, and Self-Extend needs two logits per pair, neither of which its sdpa dispatch can express.
 
-Backward: the keys/values travel through :class:`_RingShift`, an autograd function whose backward sends the
-gradient the other way round the ring, so autograd through the blocks gives the exact gradients (each rank's graph
-holds every block it attended; memory as an all-gather of the keys, not yet a memory-lean ring backward). Attention
-dropout and KV caches are refused under context parallelism.
+Backward (:mod:`.ring_function`): one autograd function per attention call keeps its inputs, output and
+log-sum-exp; its backward sends the keys/values round the ring again with their gradients, recomputing each block's
+logits (and, under autograd, its bias, for the scheme's parameters), so a rank holds one key block's logits per query
+chunk at a time in either pass. Attention dropout, attention weights and KV caches are refused under context
+parallelism.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from ..schemes.rope import apply_rotary
 from ..schemes.two_pass import TwoPassSettings
 from .context import PositionContext, PositionForward, PositionHook
 from .paths import note_path
-from .ring_math import KeyBlock, QueryBlock, block_logits, block_mask, block_partial, merge_partials
+from .ring_function import RingAttention, RingPlan
+from .ring_math import KeyBlock, QueryBlock
 from .rotary_cache import angles, rotate
 from .self_extend import CHUNK_ELEMENTS, chunk_size, far_positions
 
@@ -152,32 +154,6 @@ def _position_hooks(model: nn.Module) -> list[PositionHook]:
     return found
 
 
-class _RingShift(torch.autograd.Function):
-    """Send a tensor to the next rank and receive the previous rank's; backward sends gradients the other way."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, shard: RingShard, shape: tuple[int, ...]) -> torch.Tensor:
-        ctx.shard, ctx.shape = shard, tensor.shape
-        return _exchange(tensor, shard, +1, shape)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _exchange(grad, ctx.shard, -1, ctx.shape), None, None
-
-
-def _exchange(tensor: torch.Tensor, shard: RingShard, step: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """Send ``tensor`` to rank + step, receive a ``shape`` tensor from rank - step (both posted at once)."""
-    world, rank = shard.world, shard.rank
-    to = dist.get_global_rank(shard.group, (rank + step) % world)
-    source = dist.get_global_rank(shard.group, (rank - step) % world)
-    received = tensor.new_empty(shape)
-    ops = [dist.P2POp(dist.isend, tensor.contiguous(), to, shard.group),
-           dist.P2POp(dist.irecv, received, source, shard.group)]
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
-    return received
-
-
 def ring_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -199,50 +175,25 @@ def ring_attention(
         raise InvalidConfigError("context_parallel runs attention without dropout: set the attention dropout to 0.")
     note_path(RING)
     causal = bool(getattr(module, "is_causal", True))
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     queries, own = _local_blocks(query, key, value, context, shard)
     settings = TwoPassSettings(*context.self_extend) if context.self_extend is not None else None
-    row_end = _row_end(shard, query.device) if settings is not None and not causal else None
-    packed = _pack(own)
-    partials = []
-    for step in range(shard.world):
-        source = (shard.rank - step) % shard.world
-        if step:
-            shape = (*packed.shape[:2], shard.lengths[source], packed.shape[-1])
-            packed = _RingShift.apply(packed, shard, shape)
-        if causal and source > shard.rank:  # wholly in the future
-            continue
-        block = _unpack(packed, own, _key_block_positions(context, shard, source, query.device))
-        partials.append(_block_pair(module, context, queries, block, scale, settings, causal, row_end))
-    output = merge_partials(partials)
-    if packed.requires_grad and torch.is_grad_enabled():  # every shift in the graph: ranks' backwards must pair up
-        output = output + 0.0 * packed.sum()
+    scheme = _bias_scheme(context)
+    plan = RingPlan(
+        shard=shard,
+        block_positions=lambda rank: _key_block_positions(context, shard, rank, query.device),
+        bias_of=lambda rows, block: _block_bias(module, scheme, rows, block, causal),
+        bias_parameters=tuple(p for p in scheme.parameters() if p.requires_grad) if scheme is not None else (),
+        scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
+        settings=settings,
+        causal=causal,
+        row_end=_row_end(shard, query.device) if settings is not None and not causal else None,
+        key_dim=key.shape[-1],
+        chunk=chunk_size(query.shape[0], query.shape[1], max(shard.lengths), CHUNK_ELEMENTS),
+        index=queries.index,
+        positions=queries.positions,
+    )
+    output = RingAttention.apply(queries.queries, queries.far_queries, _pack(own), plan, *plan.bias_parameters)
     return output.to(query.dtype).transpose(1, 2).contiguous()  # [B, H, q, Dv] -> [B, q, H, Dv]
-
-
-def _block_pair(
-    module: nn.Module,
-    context: PositionContext,
-    queries: QueryBlock,
-    block: KeyBlock,
-    scale: float,
-    settings: TwoPassSettings | None,
-    causal: bool,
-    row_end: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output [B, H, q, Dv], lse [B, H, q]) of this rank's queries against one key shard, in query chunks that
-    hold at most :data:`CHUNK_ELEMENTS` logits each (without a gradient, that bounds the memory of a long shard)."""
-    batch, heads, q_len, _ = queries.queries.shape
-    step = chunk_size(batch, heads, block.keys.shape[2], CHUNK_ELEMENTS)
-    outputs, lses = [], []
-    for start in range(0, q_len, step):
-        rows = queries.rows(slice(start, start + step))
-        bias = _block_bias(module, context, rows, block, causal)
-        logits = block_logits(rows, block, scale, bias, settings, causal, row_end)  # [B, H, chunk, n]
-        output, lse = block_partial(logits, block_mask(rows.index, block, causal), block.values)
-        outputs.append(output)
-        lses.append(lse)
-    return torch.cat(outputs, dim=2), torch.cat(lses, dim=2)
 
 
 def _key_block_positions(context: PositionContext, shard: RingShard, rank: int, device: torch.device) -> tuple:
@@ -312,31 +263,25 @@ def _rotate_global(
     return rotated_query, rotate(key, *angles(context, start, length, total, key.device, reference, True), context)
 
 
-def _block_bias(
-    module: nn.Module, context: PositionContext, queries: QueryBlock, block: KeyBlock, causal: bool
-) -> torch.Tensor | None:
-    """A bias scheme's (or a head mix's bias heads') bias [1, H, q, n] for the block's global positions."""
+def _bias_scheme(context: PositionContext) -> nn.Module | None:
+    """The bias module of a bias scheme, or of a head mix's bias heads; None for other kinds."""
     if context.kind == "bias":
-        scheme = context.positions
-    elif context.kind == "head_mix":
-        scheme = context.positions.bias
-    else:
+        return context.positions
+    if context.kind == "head_mix":
+        return context.positions.bias
+    return None
+
+
+def _block_bias(
+    module: nn.Module, scheme: nn.Module | None, queries: QueryBlock, block: KeyBlock, causal: bool
+) -> torch.Tensor | None:
+    """The scheme's bias [1, H, q, n] for the block's global index positions (None without a bias scheme)."""
+    if scheme is None:
         return None
-    layer_idx = getattr(module, "layer_idx", 0) or 0
-    return scheme(queries.index, block.index, layer_idx, causal, None)
+    return scheme(queries.index, block.index, getattr(module, "layer_idx", 0) or 0, causal, None)
 
 
 def _pack(block: KeyBlock) -> torch.Tensor:
     """One tensor [B, Hkv, n, D + (D) + Dv] for the ring (one shift per step keeps every rank's backward in step)."""
     parts = [block.keys] + ([block.far_keys] if block.far_keys is not None else []) + [block.values]
     return torch.cat(parts, dim=-1)
-
-
-def _unpack(packed: torch.Tensor, own: KeyBlock, positions: tuple) -> KeyBlock:
-    dim = own.keys.shape[-1]
-    keys, rest = packed[..., :dim], packed[..., dim:]
-    far_keys = None
-    if own.far_keys is not None:
-        far_keys, rest = rest[..., :dim], rest[..., dim:]
-    index, scheme_positions, valid = positions
-    return KeyBlock(keys, far_keys, rest, index, scheme_positions, valid)
