@@ -8,7 +8,6 @@ refusals. Slow: 2 and 3 gloo processes (tests/context_parallel_worker.py) runnin
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import socket
@@ -130,22 +129,40 @@ def test_the_ring_of_self_extend_equals_the_chunked_path(causal: bool) -> None:
     assert (plain - output).abs().max() > 1e-2  # grouping moved the logits: the check above can fail
 
 
-@pytest.mark.parametrize("scheme", ["t5", "xpos"])
-def test_one_rank_in_query_chunks_equals_the_dense_carrier(monkeypatch: pytest.MonkeyPatch, scheme: str) -> None:
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("scheme", ["t5", "xpos", "self-extend"])
+def test_one_rank_in_query_chunks_equals_the_dense_paths_with_gradients(
+    monkeypatch: pytest.MonkeyPatch, scheme: str, causal: bool
+) -> None:
+    """The ring's autograd function on one rank (no communication): its forward and its own backward (dQ, dK, dV
+    and the bias parameters' gradients) against the carrier's dense path, or the chunked Self-Extend path."""
     monkeypatch.setattr(context_parallel, "CHUNK_ELEMENTS", 2 * HEADS * LENGTH * 5)  # 5 query rows per chunk
-    config = ps.T5BiasConfig(num_buckets=8, max_distance=16) if scheme == "t5" else ps.XposConfig()
+    configs = {"t5": ps.T5BiasConfig(num_buckets=8, max_distance=16), "xpos": ps.XposConfig()}
+    config = configs.get(scheme, ps.RopeConfig())
     positions = config.resolve(SPEC).build(SPEC)
     for parameter in positions.parameters():
         torch.nn.init.normal_(parameter)
-    context = PositionContext(positions, config.kind, 0, lambda module: True)
+    settings = (3, 4, 4) if scheme == "self-extend" else None
     attention = torch.nn.Module()
-    attention.is_causal, attention.layer_idx, attention.num_key_value_groups = True, 0, HEADS // KV_HEADS
-    query, key, value = qkv()
-    shard = context_parallel.RingShard(None, 0, 1, (0,), (LENGTH,), None, None)
-    output = ring_attention(attention, query, key, value, context, shard, SCALE, 0.0)  # [B, L, H, D]
-    query, key, mask = scheme_inputs(attention, query, key, None, dataclasses.replace(context, memo={}))
-    expected, _ = eager_attention(attention, query, key, value, mask, SCALE)
-    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+    attention.is_causal, attention.layer_idx, attention.num_key_value_groups = causal, 0, HEADS // KV_HEADS
+    inputs = [tensor.requires_grad_() for tensor in qkv()]
+    weights = torch.randn(2, LENGTH, HEADS, DIM, generator=torch.Generator().manual_seed(3))
+
+    def run(ring: bool) -> list[torch.Tensor]:
+        context = PositionContext(positions, config.kind, 0, lambda module: True, self_extend=settings)
+        if ring:
+            shard = context_parallel.RingShard(None, 0, 1, (0,), (LENGTH,), None, None)
+            output = ring_attention(attention, *inputs, context, shard, SCALE, 0.0)  # [B, L, H, D]
+        elif settings is not None:
+            output, _ = chunked_self_extend(attention, *inputs, None, context, SCALE)
+        else:
+            query, key, mask = scheme_inputs(attention, inputs[0], inputs[1], None, context)
+            output, _ = eager_attention(attention, query, key, inputs[2], mask, SCALE)
+        tensors = [*inputs, *(p for p in positions.parameters() if p.requires_grad)]
+        return [output, *torch.autograd.grad((output * weights).sum(), tensors)]
+
+    for got, want in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_a_model_without_a_position_hook_is_refused() -> None:
