@@ -112,7 +112,8 @@ def _checked_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The position scheme's trainable parameters and the first layer's query projection weight."""
     positions = getattr(model.base_model, "posswap_positions", None)
     own = [p for p in positions.parameters() if p.requires_grad] if positions is not None else []
-    query = next(p for n, p in model.named_parameters() if n.endswith(("q_proj.weight", "query.weight", "c_attn.weight")))
+    names = ("q_proj.weight", "query.weight", "c_attn.weight")
+    query = next(p for n, p in model.named_parameters() if n.endswith(names))
     return [*own, query]
 
 

@@ -24,6 +24,7 @@ from hf_posswap.core import context_parallel
 from hf_posswap.core.attention import eager_attention, scheme_inputs
 from hf_posswap.core.context import PositionContext
 from hf_posswap.core.context_parallel import RingGroup, ring_attention
+from hf_posswap.core.paths import record_paths
 from hf_posswap.core.ring_math import KeyBlock, QueryBlock, block_logits, block_mask, block_partial, merge_partials
 from hf_posswap.core.self_extend import chunked_self_extend, far_positions
 from hf_posswap.schemes.base import ModelSpec
@@ -130,14 +131,15 @@ def test_the_ring_of_self_extend_equals_the_chunked_path(causal: bool) -> None:
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
-@pytest.mark.parametrize("scheme", ["t5", "xpos", "self-extend"])
+@pytest.mark.parametrize("scheme", ["t5", "xpos", "alibi", "self-extend"])
 def test_one_rank_in_query_chunks_equals_the_dense_paths_with_gradients(
     monkeypatch: pytest.MonkeyPatch, scheme: str, causal: bool
 ) -> None:
     """The ring's autograd function on one rank (no communication): its forward and its own backward (dQ, dK, dV
     and the bias parameters' gradients) against the carrier's dense path, or the chunked Self-Extend path."""
     monkeypatch.setattr(context_parallel, "CHUNK_ELEMENTS", 2 * HEADS * LENGTH * 5)  # 5 query rows per chunk
-    configs = {"t5": ps.T5BiasConfig(num_buckets=8, max_distance=16), "xpos": ps.XposConfig()}
+    configs = {"t5": ps.T5BiasConfig(num_buckets=8, max_distance=16), "xpos": ps.XposConfig(),
+               "alibi": ps.AlibiConfig()}
     config = configs.get(scheme, ps.RopeConfig())
     positions = config.resolve(SPEC).build(SPEC)
     for parameter in positions.parameters():
@@ -161,7 +163,10 @@ def test_one_rank_in_query_chunks_equals_the_dense_paths_with_gradients(
         tensors = [*inputs, *(p for p in positions.parameters() if p.requires_grad)]
         return [output, *torch.autograd.grad((output * weights).sum(), tensors)]
 
-    for got, want in zip(run(True), run(False), strict=True):
+    with record_paths() as paths:
+        ring_results = run(True)
+    assert paths == ["ring-fused" if scheme in ("xpos", "alibi") else "ring"]
+    for got, want in zip(ring_results, run(False), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -206,6 +211,14 @@ THREE_RANKS = [("gpt2-alibi", True), ("llama-t5", True), ("bert-fire", False), (
                ("llama-self-extend", True)]
 
 
+def expected_paths(case: str) -> list[str]:
+    """Blocks as matmuls where a bias parameter needs a gradient or Self-Extend runs, else the CPU flash kernel."""
+    if case.endswith("layer-mix"):  # a T5 layer, and a head mix of fixed ALiBi slopes and RoPE
+        return ["ring", "ring-fused"]
+    dense = ("t5", "kerple", "fire", "self-extend")
+    return ["ring"] if case.endswith(dense) else ["ring-fused"]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -234,6 +247,6 @@ def run_ranks(world: int, cases: list[tuple[str, bool]]) -> list[dict]:
 def test_split_sequences_give_the_logits_and_gradients_of_one_process(world: int, cases: list) -> None:
     failed = [
         result for result in run_ranks(world, cases)
-        if result["logits"] > 1e-5 or max(result["grads"]) > 1e-5 or result["paths"] != ["ring"]
+        if result["logits"] > 1e-5 or max(result["grads"]) > 1e-5 or result["paths"] != expected_paths(result["case"])
     ]
     assert not failed, json.dumps(failed, indent=1)

@@ -41,13 +41,15 @@ from ..schemes.rope import apply_rotary
 from ..schemes.two_pass import TwoPassSettings
 from .context import PositionContext, PositionForward, PositionHook
 from .paths import note_path
-from .ring_function import RingAttention, RingPlan
+from .ring_function import RingAttention, RingPlan, fused_applies
 from .ring_math import KeyBlock, QueryBlock
 from .rotary_cache import angles, rotate
 from .self_extend import CHUNK_ELEMENTS, chunk_size, far_positions
 
-#: the path :mod:`hf_posswap.core.paths` records for a ring attention call
+#: the paths :mod:`hf_posswap.core.paths` records for a ring attention call: blocks as matmuls, or through the CPU
+#: flash kernel (:func:`~hf_posswap.core.ring_function.fused_applies`)
 RING = "ring"
+RING_FUSED = "ring-fused"
 #: scheme kinds the ring applies (others are refused by name)
 RING_KINDS = ("rotary", "bias", "head_mix", "temperature", "none", "absolute")
 
@@ -82,6 +84,8 @@ class RingShard:
                   context: PositionContext, scaling: float | None = None, dropout: float = 0.0,
                   **kwargs: Any) -> tuple[torch.Tensor, None]:
         """The carrier's entry point (the carrier holds no import of this module)."""
+        if kwargs.get("output_attentions"):
+            raise InvalidConfigError("context_parallel returns no attention weights: leave output_attentions off.")
         return ring_attention(module, query, key, value, context, self, scaling, dropout), None
 
 
@@ -173,7 +177,6 @@ def ring_attention(
         )
     if dropout > 0 and module.training:
         raise InvalidConfigError("context_parallel runs attention without dropout: set the attention dropout to 0.")
-    note_path(RING)
     causal = bool(getattr(module, "is_causal", True))
     queries, own = _local_blocks(query, key, value, context, shard)
     settings = TwoPassSettings(*context.self_extend) if context.self_extend is not None else None
@@ -192,6 +195,9 @@ def ring_attention(
         index=queries.index,
         positions=queries.positions,
     )
+    plan.has_bias = scheme is not None
+    plan.fused = fused_applies(query, settings, plan.bias_parameters)
+    note_path(RING_FUSED if plan.fused else RING)
     output = RingAttention.apply(queries.queries, queries.far_queries, _pack(own), plan, *plan.bias_parameters)
     return output.to(query.dtype).transpose(1, 2).contiguous()  # [B, H, q, Dv] -> [B, q, H, Dv]
 

@@ -40,6 +40,9 @@ class RingPlan:
     chunk: int  # query rows per chunk
     index: torch.Tensor  # this rank's global index positions [q]
     positions: torch.Tensor  # this rank's scheme positions [q] or [B, q]
+    has_bias: bool = False
+    #: blocks run through the CPU flash kernel (:func:`fused_applies`), else as matmuls
+    fused: bool = False
 
 
 def exchange(tensor: torch.Tensor, shard: Any, step: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -92,7 +95,9 @@ class RingAttention(torch.autograd.Function):
                 travelling = _shifted(travelling, plan, source)
             if plan.causal and source > plan.shard.rank:  # wholly in the future
                 continue
-            block_output, block_lse = _forward_block(queries, _unpack(travelling, plan, source), plan)
+            block = _unpack(travelling, plan, source)
+            forward_block = _fused_forward_block if plan.fused else _forward_block
+            block_output, block_lse = forward_block(queries, block, plan, source)
             output, lse = _merge(output, lse, block_output, block_lse)
         ctx.save_for_backward(query, far_query, packed, output, lse)
         ctx.plan = plan
@@ -114,7 +119,11 @@ class RingAttention(torch.autograd.Function):
             if plan.causal and source > plan.shard.rank:
                 continue
             block = _unpack(travelling, plan, source)
-            travelling_grad = travelling_grad + _backward_block(queries, block, plan, grad_output, lse, delta, grads)
+            if plan.fused:
+                block_grad = _fused_backward_block(queries, block, plan, source, grad_output, output, lse, grads)
+            else:
+                block_grad = _backward_block(queries, block, plan, grad_output, lse, delta, grads)
+            travelling_grad = travelling_grad + block_grad
         if plan.shard.world > 1:  # the last block's gradients go home: its owner is the next rank
             travelling_grad = exchange(travelling_grad, plan.shard, +1, packed.shape)
         return (grads.query.to(query.dtype), None if far_query is None else grads.far_query.to(far_query.dtype),
@@ -140,7 +149,7 @@ def _chunks(plan: RingPlan, q_len: int) -> list[slice]:
     return [slice(start, min(start + plan.chunk, q_len)) for start in range(0, q_len, plan.chunk)]
 
 
-def _forward_block(queries: QueryBlock, block: KeyBlock, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_block(queries: QueryBlock, block: KeyBlock, plan: RingPlan, source: int) -> tuple[torch.Tensor, ...]:
     """(output [B, H, q, Dv], lse [B, H, q]) of this rank's queries against one key block, by query chunks."""
     outputs, lses = [], []
     for rows in _chunks(plan, queries.queries.shape[2]):
@@ -215,3 +224,85 @@ def _qk_grads(grad_logits: torch.Tensor, query: torch.Tensor, keys: torch.Tensor
     stacked = _grouped(grad_logits, kv_heads)  # [B, Hkv, g c, n]
     grad_query[:, :, rows] += torch.matmul(stacked, keys.float()).view_as(query).mul(scale)
     grad_keys += torch.matmul(stacked.transpose(2, 3), _grouped(query.float(), kv_heads)).mul(scale)
+
+
+#: the CPU flash kernel, which returns the log-sum-exp, and its backward, which takes the global output and
+#: log-sum-exp (so each block's dQ, dK, dV are exact parts of the whole sequence's)
+_FLASH = "_scaled_dot_product_flash_attention_for_cpu"
+FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def fused_applies(query: torch.Tensor, settings: TwoPassSettings | None, parameters: tuple) -> bool:
+    """Blocks take the CPU flash kernel where it gives every gradient needed: a CPU tensor of a dtype it takes, one
+    logit per pair (no Self-Extend), and no bias parameter that needs a gradient (the kernel returns none for the
+    additive mask), e.g. RoPE, xPos, NoPE, ALiBi's fixed slopes, any bias scheme under no_grad."""
+    if query.device.type != "cpu" or query.dtype not in FUSED_DTYPES or settings is not None:
+        return False
+    if not hasattr(torch.ops.aten, _FLASH):
+        return False
+    return not (torch.is_grad_enabled() and any(p.requires_grad for p in parameters))
+
+
+def _fused_calls(queries: QueryBlock, block: KeyBlock, plan: RingPlan, source: int) -> list[tuple]:
+    """(query rows, additive mask or None, is_causal) of the kernel calls for one block: the whole block when no
+    mask is needed (keys all in the past, or the diagonal block as ``is_causal``), else query chunks with the bias and
+    the mask merged into one additive mask [1 or B, 1 or H, c, n] (lowest finite value where hidden, as the dense
+    path)."""
+    q_len, dtype = queries.queries.shape[2], queries.queries.dtype
+    if not plan.has_bias and block.valid is None:
+        return [(slice(0, q_len), None, plan.causal and source == plan.shard.rank)]
+    calls = []
+    for rows in _chunks(plan, q_len):
+        chunk = queries.rows(rows)
+        bias = plan.bias_of(chunk, block)
+        shape = (1, 1, rows.stop - rows.start, block.keys.shape[2])
+        mask = torch.zeros(shape, dtype=dtype) if bias is None else bias.detach().to(dtype)
+        allowed = block_mask(chunk.index, block, plan.causal)
+        if allowed is not None:
+            mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
+        calls.append((rows, mask, False))
+    return calls
+
+
+def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, Hkv, n, D] -> [B, H, n, D]: query head h reads key head h // (H / Hkv)."""
+    return x.repeat_interleave(heads // x.shape[1], dim=1) if x.shape[1] != heads else x
+
+
+def _fused_forward_block(queries: QueryBlock, block: KeyBlock, plan: RingPlan, source: int) -> tuple[torch.Tensor, ...]:
+    """(output [B, H, q, Dv] float32, lse [B, H, q]) of one block through the CPU flash kernel."""
+    heads = queries.queries.shape[1]
+    keys, values = _repeat(block.keys, heads), _repeat(block.values, heads)
+    flash = getattr(torch.ops.aten, _FLASH)
+    outputs, lses = [], []
+    for rows, mask, causal in _fused_calls(queries, block, plan, source):
+        output, lse = flash(queries.queries[:, :, rows], keys, values, 0.0, causal, attn_mask=mask, scale=plan.scale)
+        outputs.append(output.float())
+        lses.append(lse.float())
+    return torch.cat(outputs, dim=2), torch.cat(lses, dim=2)
+
+
+def _fused_backward_block(queries: QueryBlock, block: KeyBlock, plan: RingPlan, source: int,
+                          grad_output: torch.Tensor, output: torch.Tensor, lse: torch.Tensor,
+                          grads: _Grads) -> torch.Tensor:
+    """One block's dK, dV (packed [B, Hkv, n, D + Dv] float32) and its part of dQ (into ``grads``), by the kernel's
+    backward from the global output and log-sum-exp."""
+    batch, heads = queries.queries.shape[:2]
+    kv_heads, dtype = block.keys.shape[1], queries.queries.dtype
+    keys, values = _repeat(block.keys, heads), _repeat(block.values, heads)
+    backward = getattr(torch.ops.aten, _FLASH + "_backward")
+    grad_keys = torch.zeros(keys.shape, dtype=torch.float32)
+    grad_values = torch.zeros(values.shape, dtype=torch.float32)
+    for rows, mask, causal in _fused_calls(queries, block, plan, source):
+        grad_query, grad_key, grad_value = backward(
+            grad_output[:, :, rows].to(dtype).contiguous(), queries.queries[:, :, rows], keys, values,
+            output[:, :, rows].to(dtype).contiguous(), lse[:, :, rows].contiguous(), 0.0, causal, attn_mask=mask,
+            scale=plan.scale,
+        )
+        grads.query[:, :, rows] += grad_query.float()
+        grad_keys += grad_key.float()
+        grad_values += grad_value.float()
+    fold = (batch, kv_heads, heads // kv_heads)  # [B, H, n, D] -> [B, Hkv, n, D]: sum the heads of one key head
+    grad_keys = grad_keys.view(*fold, *grad_keys.shape[2:]).sum(2)
+    grad_values = grad_values.view(*fold, *grad_values.shape[2:]).sum(2)
+    return torch.cat((grad_keys, grad_values), dim=-1)
