@@ -51,6 +51,14 @@ def irope() -> torch.nn.Module:
     return ps.swap(model, ps.llama4_irope(model, no_rope_layer_interval=2, floor_scale=4))
 
 
+def checkpointed(model: torch.nn.Module) -> torch.nn.Module:
+    """Gradient checkpointing (transformers' own, in training mode): the backward runs every ring forward again."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    model.train()
+    return model
+
+
 CASES: dict[str, Callable[[], torch.nn.Module]] = {
     "llama-xpos": lambda: swapped("llama", "xpos"),  # rotary with a key scale: one reference for every shard
     "bert-rope": lambda: swapped("bert", "rope"),
@@ -60,6 +68,7 @@ CASES: dict[str, Callable[[], torch.nn.Module]] = {
     "bert-layer-mix": lambda: mixed("bert"),
     "llama-irope": lambda: irope(),
     "gpt2-alibi": lambda: swapped("gpt2", "alibi"),
+    "llama-checkpointed-t5": lambda: checkpointed(swapped("llama", "t5")),
     "llama-self-extend": lambda: self_extend("llama"),
     "bert-self-extend": lambda: self_extend("bert"),
 }
@@ -80,7 +89,9 @@ def inputs(family: str, padded: bool) -> tuple[torch.Tensor, torch.Tensor | None
 
 def run_case(name: str, padded: bool, rank: int, world: int) -> dict[str, Any]:
     family = name.split("-")[0]
-    model = CASES[name]().eval()
+    model = CASES[name]()
+    if not model.training or "checkpointed" not in name:
+        model.eval()
     ids, mask = inputs(family, padded)
     weights = torch.randn(2, LENGTH, model.config.vocab_size, generator=torch.Generator().manual_seed(2))
     keep = torch.ones(2, LENGTH, 1) if mask is None else mask[..., None].float()  # loss over real tokens only

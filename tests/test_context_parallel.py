@@ -203,8 +203,7 @@ TWO_RANKS = [
     ("llama-xpos", True), ("bert-rope", True), ("llama-alibi", True), ("bert-alibi", True), ("llama-t5", True),
     ("bert-t5", True), ("llama-kerple", True), ("bert-kerple", False), ("llama-fire", True), ("bert-fire", True),
     ("llama-layer-mix", True), ("bert-layer-mix", True), ("llama-irope", True), ("llama-self-extend", False),
-    ("llama-self-extend", True),
-    ("bert-self-extend", True),
+    ("llama-self-extend", True), ("bert-self-extend", True), ("llama-checkpointed-t5", True),
 ]
 #: uneven shards (14, 13, 13 tokens)
 THREE_RANKS = [("gpt2-alibi", True), ("llama-t5", True), ("bert-fire", False), ("llama-layer-mix", False),

@@ -20,8 +20,8 @@ pair's global positions, and Self-Extend needs two logits per pair, neither of w
 Backward (:mod:`.ring_function`): one autograd function per attention call keeps its inputs, output and
 log-sum-exp; its backward sends the keys/values round the ring again with their gradients, recomputing each block's
 logits (and, under autograd, its bias, for the scheme's parameters), so a rank holds one key block's logits per query
-chunk at a time in either pass. Attention dropout, attention weights and KV caches are refused under context
-parallelism.
+chunk at a time in either pass. Every rank must run every forward and backward (the sends pair up across ranks).
+Attention dropout, attention weights and KV caches are refused under context parallelism.
 """
 
 from __future__ import annotations
