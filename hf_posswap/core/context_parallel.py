@@ -181,11 +181,12 @@ def ring_attention(
     queries, own = _local_blocks(query, key, value, context, shard)
     settings = TwoPassSettings(*context.self_extend) if context.self_extend is not None else None
     scheme = _bias_scheme(context)
+    parameters = tuple(p for p in scheme.parameters() if p.requires_grad) if scheme is not None else ()
     plan = RingPlan(
         shard=shard,
         block_positions=lambda rank: _key_block_positions(context, shard, rank, query.device),
         bias_of=lambda rows, block: _block_bias(module, scheme, rows, block, causal),
-        bias_parameters=tuple(p for p in scheme.parameters() if p.requires_grad) if scheme is not None else (),
+        bias_parameters=parameters,
         scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
         settings=settings,
         causal=causal,
@@ -194,9 +195,9 @@ def ring_attention(
         chunk=chunk_size(query.shape[0], query.shape[1], max(shard.lengths), CHUNK_ELEMENTS),
         index=queries.index,
         positions=queries.positions,
+        has_bias=scheme is not None,
+        fused=fused_applies(query, settings, parameters),
     )
-    plan.has_bias = scheme is not None
-    plan.fused = fused_applies(query, settings, plan.bias_parameters)
     note_path(RING_FUSED if plan.fused else RING)
     output = RingAttention.apply(queries.queries, queries.far_queries, _pack(own), plan, *plan.bias_parameters)
     return output.to(query.dtype).transpose(1, 2).contiguous()  # [B, H, q, Dv] -> [B, q, H, Dv]
