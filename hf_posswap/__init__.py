@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from .version import __version__
 
 if TYPE_CHECKING:
+    from .core.context_parallel import context_parallel
     from .core.describe import PositionDescription, describe
     from .core.extend import available_extension_methods, extend_context
     from .core.swap import available_schemes, supported_families, swap, unswap
@@ -93,10 +94,12 @@ _EXPORTS = {
     **dict.fromkeys(("load_adapter", "lora_config", "save_adapter", "trainable_position_modules"),
                     "persistence.adapters"),
     "export_standalone": "persistence.export",
+    "context_parallel": "core.context_parallel",
     "self_check": "evaluation.self_check",
     "save_native": "persistence.native_smollm3",
 }
-_ON_FIRST_USE = ("persistence.adapters", "persistence.export", "persistence.native_smollm3", "evaluation.self_check")
+_ON_FIRST_USE = ("core.context_parallel", "persistence.adapters", "persistence.export", "persistence.native_smollm3",
+                 "evaluation.self_check")
 #: the names pip gives the ``hf-posswap`` console script (POSIX; Windows launcher and its script)
 _CONSOLE_SCRIPTS = ("hf-posswap", "hf-posswap.exe", "hf-posswap-script.py")
 #: the ``-m`` targets that are the command line
@@ -140,6 +143,7 @@ __all__ = [
     "available_extension_methods",
     "available_schemes",
     "cohere2_sliding_rope",
+    "context_parallel",
     "describe",
     "export_standalone",
     "extend_context",

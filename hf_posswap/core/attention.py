@@ -328,6 +328,8 @@ def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], fus
             context.reached_attention = True
             _refuse_unseen_cache(module, query, key, context)
             context = context.for_layer(module)  # a layer mix: this layer's part
+        if context is not None and context.ring is not None and context.is_self_attention(module):
+            return context.ring.attention(module, query, key, value, context, **kwargs)  # context parallelism
         if _needs_self_extend(module, query, context):
             return self_extend_attention(module, query, key, value, attention_mask, context, **kwargs)
         if fused:  # flex first (CUDA, any bias scheme), then a scheme's own fused CPU form

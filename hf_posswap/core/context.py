@@ -93,6 +93,9 @@ class PositionContext:
     layers: LayerPlan | None = None
     #: set by the attention function that reads the context (:class:`ForwardCheck` raises when no call did)
     reached_attention: bool = False
+    #: this rank's shard of a sequence split across ranks (:mod:`~hf_posswap.core.context_parallel`): attention then
+    #: runs as a ring, and ``query_offset`` is the shard's global start
+    ring: Any = None
 
     def for_layer(self, module: nn.Module) -> PositionContext:
         """The context of the layer ``module`` belongs to (a mix), with that layer's part module, kind and settings
@@ -218,6 +221,9 @@ class PositionHook:
         #: how absolute vectors join the token embeddings: "add", or "concat" (the module then returns the embeddings)
         self.combine = combine
         self.feeds_attention = feeds_attention
+        #: set inside ``context_parallel`` (:class:`~hf_posswap.core.context_parallel.RingGroup`): each forward takes
+        #: one shard of a sequence split across ranks
+        self.ring: Any = None
 
     def __call__(
         self, base: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -232,6 +238,9 @@ class PositionHook:
         _check_position_ids(kwargs)
         cache = find_cache(kwargs, f"{type(base).__name__}.forward")
         query_offset = cache_length(cache)
+        shard = self.ring.prepare(kwargs, cache) if self.ring is not None else None
+        if shard is not None:
+            query_offset = shard.starts[shard.rank]  # the shard's global positions
         if self.layers is None:
             refuse_foreign_rotation(cache, getattr(base, POSITIONS_ATTR, None), self.kind, self.self_extend)
         else:
@@ -253,6 +262,7 @@ class PositionHook:
             context.row_positions = _explicit_positions(kwargs, query_offset, cache)
             context.cache = cache
             context.layers = self.layers
+            context.ring = shard
             if self.self_extend is not None or (self.layers is not None and self.layers.needs_padded_positions):
                 context.padded_positions = _padded_positions(kwargs.get("attention_mask"))
             kwargs[CONTEXT_KWARG] = context
