@@ -39,8 +39,8 @@ FLOOR_PACKAGES = ("transformers", "peft", "accelerate", "safetensors", "sentence
 REPORTED = ("transformers", "peft", "accelerate", "safetensors", "sentence-transformers", "torch")
 DEFAULT_VERSIONS = ("floor", "5.14.1", "latest")
 #: tests of the table this script writes: they judge the finished table, not the release under test
-TABLE_TESTS = ("tests/test_compat_script.py::test_the_table_shows_the_declared_window_passing",
-               "tests/test_compat_script.py::test_every_release_in_the_window_that_was_run_passed")
+TABLE_TESTS = ("tests/scripts/test_compat_script.py::test_the_table_shows_the_declared_window_passing",
+               "tests/scripts/test_compat_script.py::test_every_release_in_the_window_that_was_run_passed")
 
 
 def declared_floors() -> dict[str, str]:

@@ -40,19 +40,19 @@ BUDGET = [("--steps 500", "--steps 2"), ("steps=500", "steps=2")]
 # Commands in the README that no test can run, with the reason.
 NOT_RUN = {
     "bash scripts/demo.sh": "creates a virtual environment and runs SmolLM2 for minutes; `hf-posswap demo` runs "
-                            "with short lengths in tests/test_real_checkpoints.py and on a tiny model in "
-                            "tests/test_progress.py",
+                            "with short lengths in tests/families/test_real_checkpoints.py and on a tiny model in "
+                            "tests/training/test_progress.py",
     "bash scripts/test.sh": "is CI itself (.ci/run runs exactly this)",
     "pip install -e .": "installs into the running environment; scripts/compat.py installs the package into fresh "
                         "environments of each tested transformers release and runs the suite there",
     "python scripts/bench_tiny.py --device cuda": "trains 14 tiny models x 10,000 steps on a GPU (hours on CPU); "
-                                                  "its --quick mode runs in tests/test_benchmarks.py",
+                                                  "its --quick mode runs in tests/scripts/test_benchmarks.py",
     "python scripts/bench_tiny.py --schemes": "trains a tiny model for 10,000-20,000 steps per run (16-59 min on 2 "
-                                              "cores); tests/test_benchmarks.py runs scheme options and probes for a "
+                                              "cores); tests/scripts/test_benchmarks.py runs scheme options and probes for a "
                                               "few steps",
-    "python scripts/bench_tiny.py --report": "merges runs' results (GPU seeds, CPU parts); tests/test_benchmarks.py "
+    "python scripts/bench_tiny.py --report": "merges runs' results (GPU seeds, CPU parts); tests/scripts/test_benchmarks.py "
                                              "tests the merge",
-    "accelerate launch": "needs two processes; tests/test_finetune.py::test_two_processes_train_data_parallel runs "
+    "accelerate launch": "needs two processes; tests/training/test_finetune.py::test_two_processes_train_data_parallel runs "
                          "finetune() under the same launcher",
 }
 
