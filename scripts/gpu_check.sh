@@ -44,7 +44,7 @@ if (( rehearse )); then
     export POSSWAP_TEST_DEVICE=cpu
     step cuda_matrix 600 "$python" -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/core/test_cuda.py \
         -k "llama-alibi or bert-t5 or gpt2-kerple or auto or finetune or long" --junitxml="$results/cuda_matrix.xml"
-    step bench 600 "$python" scripts/bench_speed.py --device cpu --dtype bfloat16 --quick --no-memory \
+    step bench 600 "$python" scripts/benchmarks/bench_speed.py --device cpu --dtype bfloat16 --quick --no-memory \
         --cases llama-alibi llama-self-extend --json "$results/bench.json" --output "$results/bench.md"
 else
     # the matrix first (correctness before speed), then the benchmark with what is left of the 8 minutes
@@ -55,7 +55,7 @@ else
     left=$(( 460 - ($(date +%s) - started) ))
     (( left < 120 )) && left=120
     # the cases with targets first; FIRE and Sandwich (measured, no targets) with what time is left
-    step bench "$left" "$python" scripts/bench_speed.py --device cuda --dtype bfloat16 --lengths 8192 32768 \
+    step bench "$left" "$python" scripts/benchmarks/bench_speed.py --device cuda --dtype bfloat16 --lengths 8192 32768 \
         --cases llama-alibi llama-t5 llama-kerple llama-self-extend llama-fire llama-sandwich --repeats 3 \
         --budget-seconds $(( left - 20 )) --json "$results/bench.json" --output "$results/bench.md"
 fi

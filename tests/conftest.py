@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -192,6 +193,32 @@ def save_tiny_checkpoint(family: str, directory, seed: int = 0, **config_overrid
     model.save_pretrained(directory)
     byte_tokenizer().save_pretrained(directory)
     return directory
+
+
+def save_tiny_adapter(root: Path) -> Path:
+    """A LoRA adapter (with trained T5 tables) over the tiny LLaMA saved at ``root / "llama"``, as ``finetune --lora``
+    writes it, at ``root / "adapter"``."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(root / "llama")
+    ps.swap(base, "t5", num_buckets=16, max_distance=32)
+    model = get_peft_model(base, ps.lora_config(base))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "posswap_positions" in name:
+                param.add_(0.5 * torch.randn_like(param))
+    ps.save_adapter(model, root / "adapter")
+    byte_tokenizer().save_pretrained(root / "adapter")
+    return root / "adapter"
+
+
+def edit_config(directory: Path, edit) -> None:
+    """Apply ``edit`` to the dict of ``directory``'s config.json and write it back."""
+    config = json.loads((directory / "config.json").read_text())
+    edit(config)
+    (directory / "config.json").write_text(json.dumps(config))
 
 
 def write_corpus(directory, documents: int = 40) -> list[str]:

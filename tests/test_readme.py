@@ -43,17 +43,18 @@ NOT_RUN = {
                             "with short lengths in tests/families/test_real_checkpoints.py and on a tiny model in "
                             "tests/training/test_progress.py",
     "bash scripts/test.sh": "is CI itself (.ci/run runs exactly this)",
-    "pip install -e .": "installs into the running environment; scripts/compat.py installs the package into fresh "
-                        "environments of each tested transformers release and runs the suite there",
-    "python scripts/bench_tiny.py --device cuda": "trains 14 tiny models x 10,000 steps on a GPU (hours on CPU); "
-                                                  "its --quick mode runs in tests/scripts/test_benchmarks.py",
-    "python scripts/bench_tiny.py --schemes": "trains a tiny model for 10,000-20,000 steps per run (16-59 min on 2 "
-                                              "cores); tests/scripts/test_benchmarks.py runs scheme options and probes for a "
-                                              "few steps",
-    "python scripts/bench_tiny.py --report": "merges runs' results (GPU seeds, CPU parts); tests/scripts/test_benchmarks.py "
-                                             "tests the merge",
-    "accelerate launch": "needs two processes; tests/training/test_finetune.py::test_two_processes_train_data_parallel runs "
-                         "finetune() under the same launcher",
+    "pip install -e .": "installs into the running environment; scripts/maintenance/compat.py installs the package "
+                        "into fresh environments of each tested transformers release and runs the suite there",
+    "python scripts/benchmarks/bench_tiny.py --device cuda":
+        "trains 14 tiny models x 10,000 steps on a GPU (hours on CPU); its --quick mode runs in "
+        "tests/scripts/test_benchmarks.py",
+    "python scripts/benchmarks/bench_tiny.py --schemes":
+        "trains a tiny model for 10,000-20,000 steps per run (16-59 min on 2 cores); tests/scripts/test_benchmarks.py "
+        "runs scheme options and probes for a few steps",
+    "python scripts/benchmarks/bench_tiny.py --report":
+        "merges runs' results (GPU seeds, CPU parts); tests/scripts/test_benchmarks.py tests the merge",
+    "accelerate launch": "needs two processes; tests/training/test_finetune.py::test_two_processes_train_data_parallel "
+                         "runs finetune() under the same launcher",
 }
 
 
@@ -237,12 +238,13 @@ def test_support_matrix_in_readme_is_generated_from_the_registries() -> None:
     from hf_posswap.cli.matrix import support_matrix_markdown
 
     section = readme().split("<!-- support-matrix:start -->\n", 1)[1].split("\n<!-- support-matrix:end -->", 1)[0]
-    assert section == support_matrix_markdown(), "README's matrix is stale: run python scripts/support_matrix.py"
+    assert section == support_matrix_markdown(), ("README's matrix is stale: run "
+                                                  "python scripts/maintenance/support_matrix.py")
 
 
 @pytest.mark.slow
 def test_support_matrix_script_checks_the_readme() -> None:
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "support_matrix.py"), "--check"],
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "maintenance" / "support_matrix.py"), "--check"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 

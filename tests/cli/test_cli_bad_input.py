@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import save_tiny_checkpoint, write_corpus
+from conftest import save_tiny_adapter, save_tiny_checkpoint, write_corpus
 
 import hf_posswap as ps
 import hf_posswap.persistence.loading
@@ -21,33 +20,14 @@ from hf_posswap.cli import main
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _adapter(ws: Path) -> None:
-    """A LoRA adapter (with trained T5 tables) over the tiny LLaMA, as ``finetune --lora`` writes it."""
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from hf_posswap.evaluation import byte_tokenizer
-
-    base = AutoModelForCausalLM.from_pretrained(ws / "llama")
-    ps.swap(base, "t5", num_buckets=16, max_distance=32)
-    model = get_peft_model(base, ps.lora_config(base))
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name or "posswap_positions" in name:
-                param.add_(0.5 * torch.randn_like(param))
-    ps.save_adapter(model, ws / "adapter")
-    byte_tokenizer().save_pretrained(ws / "adapter")
-
-
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("cli9")
+    root = tmp_path_factory.mktemp("cli_bad_input")
     for family in ("llama", "bert", "gpt2"):
         save_tiny_checkpoint(family, root / family)
     ps_model_dir = root / "swapped"
     main(["swap", "--model", str(root / "llama"), "--scheme", "alibi", "--output", str(ps_model_dir)])
-    _adapter(root)
+    save_tiny_adapter(root)
     main(["swap", "--model", str(root / "llama"), "--scheme", "t5", "--output", str(root / "t5")])
     shutil.copytree(root / "t5", root / "disguised")  # model_type edited back to llama, record removed
     config = json.loads((root / "t5" / "config.json").read_text())

@@ -1,8 +1,9 @@
 """The command line answers at once and explains every option.
 
 ``hf-posswap --help`` and ``hf-posswap CMD --help`` must not import torch or transformers (checked from the
-modules the process holds at exit, not by timing; ``scripts/bench_cli.py`` measures the time), every option of
-every command has help text, and ``import hf_posswap`` still registers the Auto classes in an ordinary process."""
+modules the process holds at exit, not by timing; ``scripts/benchmarks/bench_cli.py`` measures the time), every
+option of every command has help text, and ``import hf_posswap`` still registers the Auto classes in an ordinary
+process."""
 
 from __future__ import annotations
 
@@ -200,11 +201,11 @@ def test_the_console_script_registers_before_it_reads_a_swapped_checkpoint(swapp
     assert ("scheme: t5" if command == "swap" else "finished 1 steps") in result.stdout
 
 
-# ---- scripts/bench_cli.py: the timing lives in a benchmark, as ratios against baselines of the same run ---------
+# ---- scripts/benchmarks/bench_cli.py: the timing lives in a benchmark, as ratios against baselines of the same run
 
 
 def test_the_cli_benchmark_reports_ratios_and_the_1_s_target() -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "benchmarks"))
     import bench_cli
 
     times = {"python -c pass": [0.05, 0.04], "python -c 'import transformers'": [2.0, 1.0],
@@ -220,7 +221,8 @@ def test_the_cli_benchmark_reports_ratios_and_the_1_s_target() -> None:
 @needs_script
 @pytest.mark.slow  # fresh interpreters that import torch and transformers (~1 min on 2 cores)
 def test_the_cli_benchmark_runs(tmp_path) -> None:
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_cli.py"), "--repeats", "1", "--commands",
+    script = ROOT / "scripts" / "benchmarks" / "bench_cli.py"
+    result = subprocess.run([sys.executable, str(script), "--repeats", "1", "--commands",
                              "schemes", "--output", str(tmp_path / "cli.md")], capture_output=True, text=True,
                             timeout=600, cwd=ROOT, env=ENV)
     assert result.returncode == 0, result.stderr[-2000:]

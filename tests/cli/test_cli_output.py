@@ -33,7 +33,7 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-# --- 1. fine-tuning progress ---------------------------------------------------------------------------------------
+# --- fine-tuning progress in a log ------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -48,7 +48,7 @@ def test_finetune_progress_in_a_log_is_plain_lines_with_the_loss(ws, tmp_path, c
     assert "finetune:" not in capsys.readouterr().err
 
 
-# --- 2. eval --no-progress, one-line warnings ------------------------------------------------------------------
+# --- eval --no-progress, one-line warnings ----------------------------------------------------------------------------
 
 
 def test_eval_no_progress_and_no_carriage_returns_in_a_log(ws, capsys) -> None:
@@ -77,7 +77,7 @@ def test_the_program_prints_warnings_on_one_line_and_restores_the_machinery(monk
         assert cli.main(["schemes"]) == 0
 
 
-# --- 3. a tokenizer larger than the model --------------------------------------------------------------------------
+# --- a tokenizer larger than the model --------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -99,7 +99,7 @@ def test_eval_refuses_a_tokenizer_larger_than_the_model(ws, capsys) -> None:
     assert err.count("\n") == 1 and "tokenizer has 262 tokens but the model's input embeddings have 259 rows" in err
 
 
-# --- 4. the adversarial pass ------------------------------------------------------------------------------------------
+# --- odd inputs and environments --------------------------------------------------------------------------------------
 
 
 def test_a_huge_passkey_length_is_one_line_not_an_overflow(ws, capsys) -> None:

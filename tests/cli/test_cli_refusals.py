@@ -9,32 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import save_tiny_checkpoint, write_corpus
+from conftest import save_tiny_adapter, save_tiny_checkpoint, write_corpus
 
 import hf_posswap as ps
 from hf_posswap.cli import main
 from hf_posswap.cli.finetune import main as finetune_main
 from hf_posswap.persistence.loading import inspect_model_path
-
-
-def _adapter(root: Path) -> Path:
-    """A LoRA adapter (trained T5 tables) over the tiny LLaMA, as ``finetune --lora`` writes it."""
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from hf_posswap.evaluation import byte_tokenizer
-
-    base = AutoModelForCausalLM.from_pretrained(root / "llama")
-    ps.swap(base, "t5", num_buckets=16, max_distance=32)
-    model = get_peft_model(base, ps.lora_config(base))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name or "posswap_positions" in name:
-                param.add_(0.5 * torch.randn_like(param))
-    ps.save_adapter(model, root / "adapter")
-    byte_tokenizer().save_pretrained(root / "adapter")
-    return root / "adapter"
 
 
 def _edit_config(directory: Path, **changes) -> None:
@@ -45,12 +25,12 @@ def _edit_config(directory: Path, **changes) -> None:
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("review_cli")
+    root = tmp_path_factory.mktemp("cli_refusals")
     for family in ("llama", "gpt2"):
         save_tiny_checkpoint(family, root / family)
     (root / "corpus").mkdir()
     write_corpus(root / "corpus", documents=8)
-    _adapter(root)
+    save_tiny_adapter(root)
     shutil.copytree(root / "llama", root / "typo_config")
     _edit_config(root / "typo_config", hidden_size="big")
     shutil.copytree(root / "llama", root / "odd_architecture")

@@ -358,7 +358,7 @@ def test_sentence_transformers_on_minilm(tmp_path, scheme: str) -> None:
     torch.testing.assert_close(features.mean(0), expected[0], atol=1e-5, rtol=1e-4)
 
 
-# ---- found in the adversarial pass ----------------------------------------------------------------------------
+# ---- casts, saves, copies and wrappers after the swap ----------------------------------------------------------------
 
 @pytest.mark.parametrize(("family", "scheme"), [("llama", "alibi"), ("gpt2", "t5"), ("bert", "rope")])
 def test_torch_save_of_a_whole_swapped_model_round_trips(tmp_path, family: str, scheme: str) -> None:

@@ -1,7 +1,7 @@
 """Two-pass attention (Self-Extend, ReRoPE) as two fused calls merged by log-sum-exp: equal to the query-chunked
-path (itself checked against the authors' formulas in tests/core/test_self_extend_authors.py and tests/schemes/test_rerope.py)
-on every layout it takes, on the CPU kernel and on the flex_attention form (run uncompiled on CPU here; compiled on
-CUDA in the last test), and the dispatch takes it only where it is exact.
+path (itself checked against the authors' formulas in tests/core/test_self_extend_authors.py and
+tests/schemes/test_rerope.py) on every layout it takes, on the CPU kernel and on the flex_attention form (run
+uncompiled on CPU here; compiled on CUDA in the last test), and the dispatch takes it only where it is exact.
 Tolerance: fp32, atol 1e-5 / rtol 1e-4 (the same sums in another order).
 """
 

@@ -270,8 +270,8 @@ def test_swapped_gpt_neox_checkpoint_reloads_its_head(tmp_path: Path) -> None:
                                     pytest.param("rope", marks=pytest.mark.slow)])
 def test_olmo2_runs_through_llamas_adapter(scheme: str) -> None:
     """OLMo 2 (LLaMA's adapter, q/k RMSNorm over whole projections): cached generation equals a full recompute and a
-    left-padded row equals the row alone. The whole family x scheme matrix passed once for olmo2 (see the issue
-    note); it is not in conftest.FAMILIES to keep CI time down."""
+    left-padded row equals the row alone. The whole family x scheme matrix passed once for olmo2; it is not in
+    conftest.FAMILIES to keep CI time down."""
     from conftest import scheme_config
 
     model = make_model("olmo2")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CAUSAL_FAMILIES, FAMILIES, NATIVE_PAIRS, SCHEMES, VOCAB, swapped
+from conftest import CAUSAL_FAMILIES, FAMILIES, NATIVE_PAIRS, SCHEMES, VOCAB, edit_config, swapped
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import hf_posswap as ps
@@ -91,12 +91,6 @@ def _saved(tmp_path: Path, family: str = "gpt2", scheme: str = "alibi") -> Path:
     return tmp_path
 
 
-def _edit_config(path: Path, edit) -> None:
-    config = json.loads((path / "config.json").read_text())
-    edit(config)
-    (path / "config.json").write_text(json.dumps(config))
-
-
 def test_missing_weight_file(tmp_path: Path) -> None:
     path = _saved(tmp_path)
     (path / "model.safetensors").unlink()
@@ -122,14 +116,14 @@ def test_truncated_weight_file(tmp_path: Path) -> None:
 )
 def test_malformed_records(tmp_path: Path, record, message: str) -> None:
     path = _saved(tmp_path)
-    _edit_config(path, lambda config: config.__setitem__("posswap", record))
+    edit_config(path, lambda config: config.__setitem__("posswap", record))
     with pytest.raises(ps.PosSwapError, match=message):
         AutoModelForCausalLM.from_pretrained(path)
 
 
 def test_shapes_that_do_not_match(tmp_path: Path) -> None:
     path = _saved(tmp_path, scheme="learned")
-    _edit_config(path, lambda config: config["posswap"].__setitem__("max_positions", 100))
+    edit_config(path, lambda config: config["posswap"].__setitem__("max_positions", 100))
     with pytest.raises(ps.InvalidConfigError, match=r"The checkpoint's weights do not match the swap recorded in "
                        r"its config.posswap \(see the loading report above for the keys\)"):
         AutoModelForCausalLM.from_pretrained(path)
@@ -142,7 +136,7 @@ def test_a_newer_record_warns_and_loads_what_is_known(tmp_path: Path) -> None:
     def newer(config: dict) -> None:
         config["posswap"].update(version=99, future_option=True)
 
-    _edit_config(tmp_path, newer)
+    edit_config(tmp_path, newer)
     with pytest.warns(UserWarning, match=r"newer hf_posswap") as record:
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert any("future_option" in str(w.message) for w in record)

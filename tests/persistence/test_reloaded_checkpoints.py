@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CAUSAL_FAMILIES, FAMILIES, MAX_POSITIONS, NATIVE_PAIRS, VOCAB, make_model, swapped
+from conftest import CAUSAL_FAMILIES, FAMILIES, MAX_POSITIONS, NATIVE_PAIRS, VOCAB, edit_config, make_model, swapped
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
@@ -41,12 +41,6 @@ def _save(path: Path, family: str = "gpt2", scheme: str = "t5") -> Path:
     return path
 
 
-def _edit_config(path: Path, edit) -> None:
-    config = json.loads((path / "config.json").read_text())
-    edit(config)
-    (path / "config.json").write_text(json.dumps(config))
-
-
 def _structure(model: torch.nn.Module) -> dict[str, str]:
     return {name: type(module).__name__ for name, module in model.named_modules()}
 
@@ -57,7 +51,7 @@ def _structure(model: torch.nn.Module) -> dict[str, str]:
 @pytest.mark.parametrize("record", [None, {}], ids=["record-removed", "record-emptied"])
 def test_swapped_model_type_without_record_is_refused(tmp_path: Path, record) -> None:
     path = _save(tmp_path)
-    _edit_config(path, lambda config: config.pop("posswap") if record is None else config.update(posswap=record))
+    edit_config(path, lambda config: config.pop("posswap") if record is None else config.update(posswap=record))
     with pytest.raises(ps.InvalidConfigError, match=r"model_type 'hf_posswap_gpt2'.*no 'posswap' record \(got "
                        + (r"None" if record is None else r"\{\}") + r"\).*Restore the 'posswap' entry"):
         AutoModelForCausalLM.from_pretrained(path)
@@ -81,7 +75,7 @@ def test_missing_position_weights_are_refused(tmp_path: Path, family: str, schem
 
 def test_leftover_position_weights_are_refused(tmp_path: Path) -> None:
     path = _save(tmp_path, "gpt2", "t5")
-    _edit_config(path, lambda config: config.update(posswap={"version": 1, "family": "gpt2", "scheme": "none"}))
+    edit_config(path, lambda config: config.update(posswap={"version": 1, "family": "gpt2", "scheme": "none"}))
     with pytest.raises(ps.InvalidConfigError, match=r"holds position weights "
                        r"\['transformer.posswap_positions.tables.0.weight'\].*scheme 'none'.*would drop them"):
         AutoModelForCausalLM.from_pretrained(path)
@@ -95,7 +89,7 @@ def test_loading_info_is_still_returned_when_asked(tmp_path: Path) -> None:
 
 def test_model_type_edited_back_to_the_family_is_detected(tmp_path: Path) -> None:
     path = _save(tmp_path, "gpt2", "t5")
-    _edit_config(path, lambda config: config.update(model_type="gpt2"))
+    edit_config(path, lambda config: config.update(model_type="gpt2"))
     plain = AutoModelForCausalLM.from_pretrained(path)  # plain transformers: nothing hf_posswap can hook into
     message = (
         r"carries config.posswap \(scheme 't5'\) but was loaded as plain 'gpt2'.*"
@@ -114,11 +108,11 @@ def test_rope_in_attention_edited_back_to_the_family_is_detected(tmp_path: Path,
     model = make_model("llama")
     ps.swap(model, ps.RopeConfig(scaling=scaling))
     model.save_pretrained(tmp_path)
-    _edit_config(tmp_path, lambda config: config.update(model_type="llama"))
+    edit_config(tmp_path, lambda config: config.update(model_type="llama"))
     plain = AutoModelForCausalLM.from_pretrained(tmp_path)
     with pytest.raises(ps.InvalidConfigError, match="but was loaded as plain 'llama'"):
         check_loaded(plain)
-    _edit_config(tmp_path, lambda config: config["posswap"].pop("native"))  # a record from before "native" existed
+    edit_config(tmp_path, lambda config: config["posswap"].pop("native"))  # a record from before "native" existed
     with pytest.raises(ps.InvalidConfigError, match="but was loaded as plain 'llama'"):
         check_loaded(AutoModelForCausalLM.from_pretrained(tmp_path))
 
@@ -267,7 +261,7 @@ def test_keeping_a_recreated_native_table_warns(tmp_path: Path) -> None:
 ], ids=["zero", "shrinks", "unknown-method", "float"])
 def test_malformed_extension_records_are_refused(tmp_path: Path, extension: dict) -> None:
     path = _save(tmp_path, "gpt2", "alibi")
-    _edit_config(path, lambda config: config["posswap"].update(extension=extension))
+    edit_config(path, lambda config: config["posswap"].update(extension=extension))
     with pytest.raises(ps.InvalidConfigError, match=r"config.posswap.extension record is malformed.*1 <= "
                        r"original_max_position_embeddings <= max_position_embeddings"):
         AutoModelForCausalLM.from_pretrained(path)
@@ -275,7 +269,7 @@ def test_malformed_extension_records_are_refused(tmp_path: Path, extension: dict
 
 def test_record_of_another_family_is_refused(tmp_path: Path) -> None:
     path = _save(tmp_path, "gpt2", "alibi")
-    _edit_config(path, lambda config: config["posswap"].update(family="bert"))
+    edit_config(path, lambda config: config["posswap"].update(family="bert"))
     with pytest.raises(ps.InvalidConfigError, match=r"record says family 'bert' but the model is 'gpt2'"):
         AutoModelForCausalLM.from_pretrained(path)
 

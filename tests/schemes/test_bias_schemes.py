@@ -222,7 +222,8 @@ def pairs() -> list:
 
 @pytest.mark.parametrize(("family", "scheme"), pairs())
 def test_explicit_position_ids(family: str, scheme: str) -> None:
-    """tests/families/test_matrix.py's check (ids equal to the default, a shift, a skip, per-row ids) for these schemes."""
+    """tests/families/test_matrix.py's check (ids equal to the default, a shift, a skip, per-row ids) for these
+    schemes."""
     explicit_position_ids_check(family, scheme)
 
 

@@ -12,7 +12,7 @@ import pytest
 from hf_posswap.evaluation import byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "benchmarks"))
 
 import bench_tiny_curves  # noqa: E402
 import bench_tiny_report  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 from hf_posswap.evaluation import BYTE_VOCAB_SIZE, byte_tokenizer, corpus_text, passkey_prompt
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path[:0] = [str(ROOT / "scripts" / "benchmarks"), str(ROOT / "scripts" / "maintenance")]
 
 import bench_speed  # noqa: E402
 import bench_speed_measure  # noqa: E402
@@ -285,7 +285,7 @@ def test_bench_tiny_report_merges_seeds_in_order() -> None:
     def part(seed: int, ppl: float) -> dict:
         row = {"windows": {"1": ppl}, "passkey": {"1": 1.0}}
         return {"settings": {"length": 16, "seeds": [seed]}, "runs": {"rope": [row]}, "seconds": 10.0,
-                "command": f"python scripts/bench_tiny.py --seeds {seed}", "versions": {}}
+                "command": f"python scripts/benchmarks/bench_tiny.py --seeds {seed}", "versions": {}}
 
     merged = bench_tiny_report.merge([part(1, 5.0), part(0, 4.0)], DEFAULTS)
     assert merged["settings"]["seeds"] == [0, 1] and merged["seconds"] == 20.0
@@ -379,7 +379,7 @@ def test_bench_tiny_refuses_to_merge_runs_on_different_corpora() -> None:
     a GPU, seed 2 under 3.11 on this machine read 4.07 perplexity where seeds 0 and 1 gave 4.68-4.92. Such parts
     must not be averaged. Parts with one fingerprint merge; parts from before fingerprints read their own Python's
     topics, known here only for this Python (a 3.12 part could have been compared with a part that read 3.11's
-    topics through --corpus-file under 3.12: adversarial finding), so they merge with each other by version."""
+    topics through --corpus-file under 3.12), so they merge with each other by version."""
     import sys
 
     this = f"{sys.version_info.major}.{sys.version_info.minor}.0"
@@ -509,7 +509,7 @@ def test_bench_speed_writes_its_tables_and_readme_section(tmp_path) -> None:
     assert "| bert-t5 | not run | not run | not run | not run | – |" in table
 
 
-def test_bench_speed_judges_each_ratio_against_the_issue_targets() -> None:
+def test_bench_speed_judges_each_ratio_against_its_target() -> None:
     def row(measure: str, tokens: int, ratio: float | None) -> dict:
         return {"case": "llama-t5", "tokens": tokens, "measure": measure, "ratio": ratio,
                 "target": bench_speed.target_for("llama-t5", measure, tokens)}
@@ -519,7 +519,7 @@ def test_bench_speed_judges_each_ratio_against_the_issue_targets() -> None:
     cells = [bench_speed.summary_cell(rows, "llama-t5", m, n) for m, n, _ in bench_speed.SUMMARY]
     assert cells == ["1.49 ✓ (≤ 1.50)", "1.51 ✗ (≤ 1.50)", "not run", "failed ✗ (≤ 1.50)",
                      "1.20 ✗ (≤ 1.11; worst at 8,192)"]
-    assert bench_speed.target_for("llama-t5", "forward", 512) is None  # the issue sets targets at 2,048 and 8,192
+    assert bench_speed.target_for("llama-t5", "forward", 512) is None  # targets are set at 2,048 and 8,192
     assert bench_speed.summary_cell(rows, "bert-rope", "decode", None) == "–"
 
 
@@ -732,7 +732,7 @@ def test_bench_speed_cuda_flow_runs_with_the_device_calls_stubbed(tmp_path, monk
     assert "first call ms (native / patched) |" in text and "| llama-t5 | 32 | train step peak MB over idle |" in text
 
 
-# --- adversarial findings (each was reproduced, then fixed) -------------------------------------------------------
+# --- failed runs, interrupted pools and odd arguments -----------------------------------------------------------------
 
 TINY = ["--quick", "--schemes", "alibi", "--scalings", "--steps", "1", "--length", "16", "--trials", "1"]
 

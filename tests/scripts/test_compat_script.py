@@ -1,4 +1,4 @@
-"""scripts/compat.py and docs/compatibility.md: the declared window is the measured one.
+"""scripts/maintenance/compat.py and docs/compatibility.md: the declared window is the measured one.
 
 The script itself builds environments (minutes each; CI runs it for the floor and the newest releases); here its
 pure parts run, and the table it wrote must show the declared floor and the newest tested release passing.
@@ -20,7 +20,7 @@ DOC = ROOT / "docs" / "compatibility.md"
 
 @pytest.fixture(scope="module")
 def compat():
-    spec = importlib.util.spec_from_file_location("compat", ROOT / "scripts" / "compat.py")
+    spec = importlib.util.spec_from_file_location("compat", ROOT / "scripts" / "maintenance" / "compat.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,4 +1,4 @@
-"""``scripts/recipe_convert.py`` (convert SmolLM2 away from RoPE and recover): its budget
+"""``scripts/recipes/recipe_convert.py`` (convert SmolLM2 away from RoPE and recover): its budget
 extrapolation against a curve with a known law, and ``--quick`` end to end (tiny LLaMA, every variant)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "recipes"))
 import recipe_convert  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def test_quick_mode_runs_every_variant_and_writes_table_and_curves(tmp_path: Pat
     assert json.loads(json.dumps(results["rows"])) == written["rows"]
     section = readme.read_text(encoding="utf-8")
     assert "old" not in section and section.endswith("<!-- recipe-convert:end -->\ntail\n")
-    assert "`python scripts/recipe_convert.py --quick --readme README.md`" in section
+    assert "`python scripts/recipes/recipe_convert.py --quick --readme README.md`" in section
     assert "| alibi-plain-full |" in section and "](recipe_convert.png)" in section
 
 

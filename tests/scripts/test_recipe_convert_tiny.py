@@ -1,6 +1,6 @@
-"""The conversion recipe at tiny scale: ``scripts/recipe_convert_tiny.py`` (a RoPE model trained from scratch, swapped
-after training, recalibrated): the swap each variant names, the distillation objective against Hinton et al.'s
-formula written here, the verdict, and ``--quick`` end to end with a rerun that reuses what was done."""
+"""The conversion recipe at tiny scale: ``scripts/recipes/recipe_convert_tiny.py`` (a RoPE model trained from
+scratch, swapped after training, recalibrated): the swap each variant names, the distillation objective against
+Hinton et al.'s formula written here, the verdict, and ``--quick`` end to end with a rerun that reuses what was done."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "recipes"))
 import recipe_convert_tiny as tiny  # noqa: E402
 
 import hf_posswap as ps  # noqa: E402
@@ -85,7 +85,7 @@ def test_distillation_loss_is_hintons_mix_and_trains_the_student_only() -> None:
     assert not torch.equal(student.model.embed_tokens.weight, teacher.model.embed_tokens.weight)
 
 
-def test_verdict_reads_the_issue_goal() -> None:
+def test_verdict_reads_the_target() -> None:
     native = {"windows": {"1": 4.0, "8": 80.0}}
     assert tiny.verdict({"windows": {"1": 4.4, "8": 10.0}}, native) == (True, True)
     assert tiny.verdict({"windows": {"1": 4.41, "8": 80.0}}, native) == (False, False)
@@ -139,7 +139,8 @@ def test_full_settings_follow_protocol_a() -> None:
 ], ids=["results-dir", "results-is-a-record", "readme-no-markers", "readme-missing", "variant-twice",
         "work-dir-is-a-file"])
 def test_refuses_before_training_what_would_fail_or_overwrite_after_it(extra, says, tmp_path, monkeypatch) -> None:
-    """Adversarial findings: each of these failed with a traceback after all the training, or overwrote a record."""
+    """Each of these is refused before any training, instead of failing with a traceback after it or overwriting a
+    record."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "DIR").mkdir()
     (tmp_path / "FILE").write_text("x", encoding="utf-8")

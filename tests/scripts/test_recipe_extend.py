@@ -3,7 +3,7 @@
 Fast: every bad value is refused on one line before a model loads. Slow: the command end to end on a tiny LLaMA
 (the merged checkpoint reloads in vanilla transformers without hf_posswap, and equals the base extended by
 hf_posswap plus the LoRA adapter run by peft), an interrupted run resumes to the same weights as an uninterrupted
-one, and ``scripts/recipe_extend.py --quick`` writes its table in under 60 s."""
+one, and ``scripts/recipes/recipe_extend.py --quick`` writes its table in under 60 s."""
 
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ def test_an_interrupted_run_resumes_to_the_weights_of_an_uninterrupted_one(
 
 @pytest.mark.slow
 def test_recipe_script_quick_mode_writes_its_table(tmp_path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "recipes"))
     import recipe_extend
 
     readme = tmp_path / "README.md"
@@ -244,7 +244,7 @@ def test_recipe_script_quick_mode_writes_its_table(tmp_path: Path) -> None:
     table = (tmp_path / "recipe_extend.md").read_text(encoding="utf-8")
     assert "| yarn + PoSE LoRA, 3 steps |" in table and "passkey 512" in table
     section = readme.read_text(encoding="utf-8")
-    assert "old" not in section and "`python scripts/recipe_extend.py --quick --readme README.md`" in section
+    assert "old" not in section and "`python scripts/recipes/recipe_extend.py --quick --readme README.md`" in section
     assert table in section
     # --report rewrites the table and the section from the JSON alone (no run)
     (tmp_path / "recipe_extend.md").unlink()

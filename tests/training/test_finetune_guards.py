@@ -374,7 +374,7 @@ def test_both_entry_points_print_one_line_and_fail(workspace, tmp_path, entry, f
     assert not (tmp_path / "out").exists()
 
 
-# --- adversarial pass: faults the issue does not list -------------------------------------------------------------
+# --- more bad settings, odd files and interrupted runs ------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("flags", "named"), [

@@ -5,8 +5,8 @@ A LLaMA-shaped model (hidden 512, 8 heads, 2 kv heads, 2 layers: attention domin
 original length of a quarter of the prompt, extended to the prompt's length; forward under ``no_grad``, fp32,
 2 threads by default. Prints the median ms of each and the median (min-max) of the per-pair ratios.
 
-    python scripts/bench_self_extend.py                       # Self-Extend, 8,192 tokens, 3 pairs
-    python scripts/bench_self_extend.py --methods self_extend rerope --lengths 2048 8192 --repeats 5
+    python scripts/benchmarks/bench_self_extend.py                       # Self-Extend, 8,192 tokens, 3 pairs
+    python scripts/benchmarks/bench_self_extend.py --methods self_extend rerope --lengths 2048 8192 --repeats 5
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 13 item 2 at the scale of Protocol A: convert a RoPE model after training, recalibrate briefly, measure.
+"""The conversion recipe at the scale of Protocol A: convert a RoPE model after training, recalibrate briefly, measure.
 
 A tiny byte-level LLaMA is trained from scratch with RoPE exactly as in bench_tiny's full mode (L = 256, 10,000
 steps; docs/benchmarks.md, Protocol A), then swapped to another position scheme with ``hf_posswap.swap`` and
@@ -10,9 +10,9 @@ at a size a CPU trains in minutes, next to ALiBi and SmolLM3's NoPE-interleaved 
 objective against distillation from the RoPE model (KL at temperature T, Hinton et al. 2015), and a control: the
 RoPE model trained for the same extra steps without a swap. SmolLM2 itself is in ``recipe_convert.py``.
 
-    python scripts/recipe_convert_tiny.py            # full (seed 2; about 1 h on one CPU thread)
-    python scripts/recipe_convert_tiny.py --quick    # tiny settings, for CI (seconds)
-    python scripts/recipe_convert_tiny.py --readme README.md   # also refresh the README section and plot
+    python scripts/recipes/recipe_convert_tiny.py            # full (seed 2; about 1 h on one CPU thread)
+    python scripts/recipes/recipe_convert_tiny.py --quick    # tiny settings, for CI (seconds)
+    python scripts/recipes/recipe_convert_tiny.py --readme README.md   # also refresh the README section and plot
 
 Writes ``scripts/results/recipe_convert_tiny.json``, ``.md`` and ``.png`` (``--quick``: under ``--work-dir``).
 A rerun reuses the trained RoPE model and the variants already measured in ``--work-dir``.
@@ -32,7 +32,7 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.extend(str(Path(__file__).resolve().parents[1] / name) for name in ("recipes", "benchmarks", "maintenance"))
 import bench_tiny  # noqa: E402
 from readme_section import replace_section  # noqa: E402
 
@@ -41,8 +41,8 @@ from hf_posswap.evaluation import byte_tokenizer  # noqa: E402
 from hf_posswap.persistence.saving import write_file_atomic  # noqa: E402
 from hf_posswap.training.losses import distillation_kl  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-TARGET_RATIO = 1.10  # issue 13 item 2: within 10 % of the native perplexity in distribution
+ROOT = Path(__file__).resolve().parents[2]
+TARGET_RATIO = 1.10  # the target: within 10 % of the native perplexity in distribution
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
     state, native = rope_model(settings, work, args.device)
     results = {"settings": dataclasses.asdict(settings), "native": native, "rows": [],
                "corpus": bench_tiny.corpus_fingerprint(), "threads": torch.get_num_threads(),
-               "command": shlex.join(["python", "scripts/recipe_convert_tiny.py",
+               "command": shlex.join(["python", "scripts/recipes/recipe_convert_tiny.py",
                                       *(argv if argv is not None else sys.argv[1:])])}
     for name in args.variants or list(VARIANTS):
         done = work / f"{name}.json"

@@ -1,4 +1,4 @@
-"""What scripts/bench_speed.py measures with: the models, the timed steps, the alternation and peak memory.
+"""What scripts/benchmarks/bench_speed.py measures with: the models, the timed steps, the alternation and peak memory.
 
 Every timer reads the clock after ``torch.cuda.synchronize`` when its input lives on a CUDA device (kernels run
 asynchronously; without the synchronisation the clock would stop when the last kernel is queued, not done), and
@@ -40,7 +40,7 @@ SELF_EXTEND_FACTOR = 4
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """Model size. The default is the issue's: big enough that attention dominates at long context."""
+    """Model size. The default is big enough that attention dominates at long context."""
 
     layers: int = 4
     hidden: int = 512

@@ -1,4 +1,4 @@
-"""Issue 3 acceptance on a real checkpoint: SmolLM2-135M (trained at 8,192) extended to 32,768 through
+"""Context extension measured on a real checkpoint: SmolLM2-135M (trained at 8,192) extended to 32,768 through
 hf_posswap's API, perplexity on the 16,384-token reference window of docs/benchmarks.md, with each method's
 forward time and peak memory.
 
@@ -16,7 +16,8 @@ too: window w = a quarter of the trained length (2,048; the reference's ReRoPE-w
 farther than w at distance w, without the reference's log-n query scaling. A method may carry options:
 ``rerope:leaky_factor=16`` (Leaky ReRoPE with the reference's k = 16).
 
-    python scripts/context_acceptance.py [--methods none yarn dynamic self_extend rerope] [--output results.json]
+    python scripts/benchmarks/context_acceptance.py [--methods none yarn dynamic self_extend rerope] \
+        [--output results.json]
 """
 
 from __future__ import annotations

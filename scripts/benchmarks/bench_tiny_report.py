@@ -10,9 +10,12 @@ import json
 import math
 import re
 import statistics
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
+
+sys.path.extend(str(Path(__file__).resolve().parents[1] / name) for name in ("recipes", "benchmarks", "maintenance"))
 
 from bench_tiny_curves import has_curves, ngram_perplexities, plot_curves
 from readme_section import replace_section

@@ -5,11 +5,11 @@ Auto classes needs: the floor for ``import hf_posswap``).
 
 The cases run round-robin (one of each, then again), so a busy machine slows them all alike; the table gives the
 median and fastest wall time of each and the median's ratio to the ``python -c pass`` and ``import transformers``
-baselines. Absolute times depend on the machine and its load; the ratios are the result. The target of issue 11:
+baselines. Absolute times depend on the machine and its load; the ratios are the result. The target:
 every ``--help`` under 1 s, i.e. no torch or transformers import (tests/cli/test_cli_fast.py checks the imports).
 
-    python scripts/bench_cli.py                        # 5 rounds, every command
-    python scripts/bench_cli.py --repeats 3 --commands eval swap --output cli.md
+    python scripts/benchmarks/bench_cli.py                        # 5 rounds, every command
+    python scripts/benchmarks/bench_cli.py --repeats 3 --commands eval swap --output cli.md
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = ("demo", "eval", "export", "extend", "finetune", "inspect", "plot", "schemes", "swap")
 BASELINES = {
     "python -c pass": ["-c", "pass"],

@@ -1,4 +1,4 @@
-"""Issue 13 item 1: extend SmolLM2-135M from 8,192 to 32,768 tokens with YaRN and fine-tune it briefly with PoSE
+"""Extend SmolLM2-135M from 8,192 to 32,768 tokens with YaRN and fine-tune it briefly with PoSE
 (LoRA), in one command (``hf-posswap extend --train``), then measure it against the native and the zero-shot model.
 
 Protocol (docs/benchmarks.md; every number on text the fine-tune did not see):
@@ -10,8 +10,8 @@ Protocol (docs/benchmarks.md; every number on text the fine-tune did not see):
 - training split: the standard library's top-level modules in sorted order (names not starting with "_"), without
   the three reference files, as many as the training tokens need. The passkey filler is synthetic.
 
-    python scripts/recipe_extend.py            # full mode (SmolLM2; see FULL for the settings and the budget)
-    python scripts/recipe_extend.py --quick    # a tiny LLaMA built from a config, short lengths: < 60 s, for CI
+    python scripts/recipes/recipe_extend.py            # full mode (SmolLM2; see FULL for the settings and the budget)
+    python scripts/recipes/recipe_extend.py --quick    # a tiny LLaMA built from a config, short lengths: < 60 s, for CI
 
 Writes ``scripts/results/recipe_extend.json`` and ``.md`` (``--quick``: under ``--work-dir``).
 """
@@ -38,11 +38,11 @@ from hf_posswap.evaluation.corpora import REFERENCE_FILES
 from hf_posswap.persistence.saving import write_file_atomic
 from hf_posswap.progress import is_terminal, library_bars
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.extend(str(Path(__file__).resolve().parents[1] / name) for name in ("recipes", "benchmarks", "maintenance"))
 from readme_section import replace_section  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-TARGET_WINDOW, TARGET_INSIDE_RATIO = 5.0, 1.02  # issue 13: window <= 5.0; inside <= 1.02 x native
+ROOT = Path(__file__).resolve().parents[2]
+TARGET_WINDOW, TARGET_INSIDE_RATIO = 5.0, 1.02  # the targets: window <= 5.0; inside <= 1.02 x native
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +66,9 @@ class Settings:
 
 # Budget (2 CPU cores): one training step at seq 2,048 (LoRA r 16, batch 1, PoSE) measured 15 s on idle cores
 # (141 s on a machine shared with a test run). 144 steps = 295k training tokens: ~36 minutes plus ~1 minute of
-# loading, packing, merging and saving -- inside the issue's 45 minutes. The evaluation is extra: per model one 4k
-# and one 16k forward, 3 passkey prompts (depths 0, 0.5, 1) at 8k and 3 at 16k (native: 8k only), ~30 minutes for
-# the three models on idle cores (--skip-native saves ~5).
+# loading, packing, merging and saving -- inside the 45 minutes the recipe is meant to take. The evaluation is
+# extra: per model one 4k and one 16k forward, 3 passkey prompts (depths 0, 0.5, 1) at 8k and 3 at 16k (native: 8k
+# only), ~30 minutes for the three models on idle cores (--skip-native saves ~5).
 FULL = Settings(to=32_768, steps=144, seq_len=2048, batch_size=1, lr=3e-4, warmup_steps=14, lora_r=16, lora_alpha=32,
                 window=16_384, tail=4096, inside=4096, passkey_lengths=(8192, 16_384), depths=(0.0, 0.5, 1.0),
                 trials=1, chars_per_token=3.9)
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def readme_body(results: dict) -> str:
     """The README section: the command and its table."""
-    command = "python scripts/recipe_extend.py" + (" --quick" if results["mode"] == "quick" else "")
+    command = "python scripts/recipes/recipe_extend.py" + (" --quick" if results["mode"] == "quick" else "")
     return (f"`{command} --readme README.md` ({results['seconds'] / 60:.0f} min in all on {results['threads']} CPU "
             f"threads, Python {results['python']}):\n\n{markdown(results)}")
 

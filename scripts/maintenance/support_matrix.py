@@ -1,7 +1,7 @@
 """Regenerate the family x scheme support matrix in README.md from the registries.
 
-python scripts/support_matrix.py          # rewrite the README section
-python scripts/support_matrix.py --check  # exit 1 when the README is out of date (tests run this)
+python scripts/maintenance/support_matrix.py          # rewrite the README section
+python scripts/maintenance/support_matrix.py --check  # exit 1 when the README is out of date (tests run this)
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hf_posswap.cli.matrix import support_matrix_markdown
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 START, END = "<!-- support-matrix:start -->", "<!-- support-matrix:end -->"
 
 
@@ -30,7 +30,8 @@ def main() -> int:
     new = updated_readme(text)
     if args.check:
         if new != text:
-            print("README.md's support matrix is out of date: run python scripts/support_matrix.py", file=sys.stderr)
+            print("README.md's support matrix is out of date: run python scripts/maintenance/support_matrix.py",
+                  file=sys.stderr)
             return 1
         return 0
     README.write_text(new, encoding="utf-8")

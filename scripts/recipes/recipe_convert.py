@@ -1,4 +1,4 @@
-"""Issue 13 item 2: convert SmolLM2-135M from RoPE to another position scheme and recover with a short fine-tune;
+"""Convert SmolLM2-135M from RoPE to another position scheme and recover with a short fine-tune;
 held-out perplexity against training steps for each variant (objective, LoRA or full), measured.
 
 Variants (``--variants`` picks some; default: all):
@@ -17,8 +17,8 @@ Every number is on text the fine-tune did not see:
   (typing.py + argparse.py + tarfile.py; docs/benchmarks.md) and of the tokens 8,192-10,239 of one 10,240-token
   forward over it (past SmolLM2's trained length), against the native model on the same text.
 
-    python scripts/recipe_convert.py           # full mode (SmolLM2; see FULL for the settings and the budget)
-    python scripts/recipe_convert.py --quick   # a tiny LLaMA built from a config, short lengths: < 60 s, for CI
+    python scripts/recipes/recipe_convert.py           # full mode (SmolLM2; see FULL for the settings and the budget)
+    python scripts/recipes/recipe_convert.py --quick   # a tiny LLaMA built from a config, short lengths: < 60 s, for CI
 
 Writes ``scripts/results/recipe_convert.json``, ``.md`` and ``.png`` (``--quick``: under ``--work-dir``).
 """
@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.extend(str(Path(__file__).resolve().parents[1] / name) for name in ("recipes", "benchmarks", "maintenance"))
+
 import torch
 from readme_section import replace_section
 from recipe_extend import tiny_checkpoint, training_files, window_perplexity
@@ -46,8 +48,8 @@ from hf_posswap.schemes.presets import nope_layers
 from hf_posswap.training import FinetuneConfig, finetune
 from hf_posswap.training.data import expand_paths, pack, read_documents, train_eval_split
 
-ROOT = Path(__file__).resolve().parent.parent
-TARGET_RATIO = 1.10  # issue 13: within 10 % of the native perplexity at 2,048 tokens
+ROOT = Path(__file__).resolve().parents[2]
+TARGET_RATIO = 1.10  # the target: within 10 % of the native perplexity at 2,048 tokens
 MAX_GUESS = 100_000  # a fitted step count beyond this is reported as out of reach, not as a number
 
 
@@ -203,7 +205,7 @@ def readme_body(results: dict, results_path: Path, readme: Path) -> str:
     import os
 
     picture = Path(os.path.relpath(results_path.with_suffix(".png"), readme.resolve().parent)).as_posix()
-    command = "python scripts/recipe_convert.py" + (" --quick" if results["mode"] == "quick" else "")
+    command = "python scripts/recipes/recipe_convert.py" + (" --quick" if results["mode"] == "quick" else "")
     return (f"`{command} --readme README.md` ({results['seconds'] / 60:.0f} min on {results['threads']} CPU "
             f"threads, torch {torch.__version__}):\n\n{markdown(results)}\n![held-out perplexity against training "
             f"steps]({picture})\n")

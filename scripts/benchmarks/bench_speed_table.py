@@ -1,4 +1,5 @@
-"""The text scripts/bench_speed.py prints and writes: one line per measured row, the targets table, every row.
+"""The text scripts/benchmarks/bench_speed.py prints and writes: one line per measured row, the targets table,
+every row.
 
 A row is a dict: case, tokens, measure, native, patched (ms or MB), ratio (patched / native, None where it
 failed), low / high (the spread of a timing's per-pair ratios), target (None where none is set), and optionally
@@ -145,7 +146,7 @@ def cpu_header(settings: argparse.Namespace) -> str:
         + (f"; glibc's mmap threshold fixed at {settings.mmap_threshold:,} bytes in those processes, so freed tensors "
            "leave the process and the peak follows live tensors, not heap fragmentation"
            if settings.mmap_threshold else "")
-        + ". ✓ / ✗: within / over issue 10's target. "
+        + ". ✓ / ✗: within / over the target. "
         + (f"Training steps up to {settings.max_train_length:,} tokens." if settings.max_train_length else ""))
 
 

@@ -8,14 +8,22 @@ non-overlapping NLL, tail NLL (only positions past L), sliding-window NLL and pa
 model is then extended with every RoPE scaling (``hf_posswap.extend_context``), evaluated zero-shot, fine-tuned
 briefly at the target length and evaluated again.
 
-    python scripts/bench_tiny.py --quick                 # one seed, small budget, 8 runs (about 15 min on 2 cores)
-    python scripts/bench_tiny.py                         # full: 3 seeds, L = 256, 10,000 steps, every run
-    python scripts/bench_tiny.py --device cuda --jobs 16 # full on one GPU, 16 runs at a time (~8 min per seed, H100)
-    python scripts/bench_tiny.py --schemes sandwich:dim=32 --seeds 2 --probe-every 1000   # a scheme with options
-    python scripts/bench_tiny.py --until-retrieval 20000 --probe-every 1000   # train each run until it retrieves
-    python scripts/bench_tiny.py --until-retrieval 20000 --confirm-retrieval 2 --probe-every 1000  # two probes in a row
-    python scripts/bench_tiny.py --report a.json b.json  # redraw table and plot, merging runs of other seeds
-    python scripts/bench_tiny.py --quick --readme README.md   # also refresh the README section and its plot
+    # one seed, small budget, 8 runs (about 15 min on 2 cores)
+    python scripts/benchmarks/bench_tiny.py --quick
+    # full: 3 seeds, L = 256, 10,000 steps, every run
+    python scripts/benchmarks/bench_tiny.py
+    # full on one GPU, 16 runs at a time (~8 min per seed, H100)
+    python scripts/benchmarks/bench_tiny.py --device cuda --jobs 16
+    # a scheme with options
+    python scripts/benchmarks/bench_tiny.py --schemes sandwich:dim=32 --seeds 2 --probe-every 1000
+    # train each run until it retrieves
+    python scripts/benchmarks/bench_tiny.py --until-retrieval 20000 --probe-every 1000
+    # two probes in a row
+    python scripts/benchmarks/bench_tiny.py --until-retrieval 20000 --confirm-retrieval 2 --probe-every 1000
+    # redraw table and plot, merging runs of other seeds
+    python scripts/benchmarks/bench_tiny.py --report a.json b.json
+    # also refresh the README section and its plot
+    python scripts/benchmarks/bench_tiny.py --quick --readme README.md
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import hf_posswap as ps
 from hf_posswap.evaluation import byte_tokenizer
 from hf_posswap.persistence.saving import write_file_atomic
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.extend(str(Path(__file__).resolve().parents[1] / name) for name in ("recipes", "benchmarks", "maintenance"))
 from bench_tiny_report import load_parts, merge, report, write_split  # noqa: E402
 from bench_tiny_training import (
     ANSWER_TOKENS,
@@ -403,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = available_runs()
     schemes = tuple(args.schemes or [r for r in runs if r in QUICK_RUNS or not args.quick])
     scalings = tuple(SCALINGS if args.scalings is None else args.scalings)
-    command = shlex.join(["python", "scripts/bench_tiny.py", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join(["python", "scripts/benchmarks/bench_tiny.py", *(argv if argv is not None else sys.argv[1:])])
     try:
         results = run(settings, schemes, scalings, lambda line: print(line, flush=True), out / "partial.json",
                       args.device, args.jobs, args.probe_every, text, command)

@@ -10,11 +10,13 @@ model (VmHWM), the whole process and the increment over the same process idle ju
 from the caching allocator in this process (also for one training step). Every ratio a target is set for (TARGETS
 on the CPU, CUDA_TARGETS on a GPU) is marked pass (✓) or fail (✗).
 
-    python scripts/bench_speed.py --readme README.md   # 2,048 and 8,192 tokens, every case (35-45 min, 2 idle cores)
-    python scripts/bench_speed.py --cases llama-alibi --lengths 2048 --steps forward decode --output bench.md
-    python scripts/bench_speed.py --quick              # tiny models, 64 tokens: checks that it runs (2-7 min)
-    python scripts/bench_speed.py --device cuda --dtype bfloat16 --json gpu.json --budget-seconds 400
-                                                       # 8,192 and 32,768 tokens, a 0.3 B LLaMA-like decoder
+    # 2,048 and 8,192 tokens, every case (35-45 min, 2 idle cores)
+    python scripts/benchmarks/bench_speed.py --readme README.md
+    python scripts/benchmarks/bench_speed.py --cases llama-alibi --lengths 2048 --steps forward decode --output bench.md
+    # tiny models, 64 tokens: checks that it runs (2-7 min)
+    python scripts/benchmarks/bench_speed.py --quick
+    # 8,192 and 32,768 tokens, a 0.3 B LLaMA-like decoder
+    python scripts/benchmarks/bench_speed.py --device cuda --dtype bfloat16 --json gpu.json --budget-seconds 400
 
 --output and --json are rewritten (atomically) after every row, so a run that is killed or stopped by
 --budget-seconds keeps what it measured.
@@ -36,7 +38,7 @@ import torch
 from hf_posswap.core.paths import record_paths
 from hf_posswap.persistence.saving import write_file_atomic
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.extend(str(Path(__file__).resolve().parents[1] / name) for name in ("recipes", "benchmarks", "maintenance"))
 from bench_speed_measure import (  # noqa: E402
     CUDA_SHAPE,
     QUICK_SHAPE,
@@ -67,12 +69,12 @@ CASES = {
     "llama-kerple": ("llama", "kerple"), "llama-fire": ("llama", "fire"), "llama-sandwich": ("llama", "sandwich"),
     "llama-self-extend": ("llama", SELF_EXTEND),
 }
-CPU_CASES = list(CASES)[:8]  # the CPU run's default: the cases issue 10's targets name
+CPU_CASES = list(CASES)[:8]  # the CPU run's default: the cases the targets name
 CUDA_CASES = ["llama-alibi", "llama-t5", "llama-kerple", "llama-fire", "llama-sandwich", "llama-self-extend"]
 CAUSAL_FAMILIES = ("llama", "gpt2")  # BERT is bidirectional: forward and training only, no decoding
 FORWARD_ONLY = (SELF_EXTEND,)  # measured as inference only: forward and its peak memory
 
-# Issue 10's targets, patched / native; a length of None applies at every length measured.
+# The targets, patched / native; a length of None applies at every length measured.
 _CAUSAL_ALIBI = {("forward", 2048): 1.15, ("forward", 8192): 1.15, ("train", 2048): 1.15, ("memory", 8192): 1.25,
                  ("decode", None): 1.11}
 _BIDIRECTIONAL_ALIBI = {("forward", 2048): 1.15, ("forward", 8192): 1.25, ("train", 2048): 1.25,
@@ -315,7 +317,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--cases", nargs="+", choices=list(CASES),
-                        help="default: the issue's eight on the CPU; the LLaMA bias and Self-Extend cases on CUDA")
+                        help="default: the eight with targets on the CPU; the LLaMA bias and Self-Extend cases on CUDA")
     parser.add_argument("--lengths", nargs="+", type=positive,
                         help="prompt lengths (default 2048 8192; CUDA 8192 32768)")
     parser.add_argument("--steps", nargs="+", default=["forward", "train", "decode"],
@@ -363,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    command = "python scripts/bench_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python scripts/benchmarks/bench_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)
     try:
         return measure_and_write(args, command)
     finally:

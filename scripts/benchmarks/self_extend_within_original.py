@@ -10,7 +10,7 @@ setting. A causal query's logits depend only on its own and earlier positions un
 at positions below L0 of one long forward are those of a forward of L0 tokens. Perplexity = exp(mean NLL) of the
 next-token predictions made at positions [W, L0) (below W the three settings are the same model) and [L0, length).
 
-    python scripts/self_extend_within_original.py [--original 512] [--length 2048] [--segments 8]
+    python scripts/benchmarks/self_extend_within_original.py [--original 512] [--length 2048] [--segments 8]
         [--settings authors exact_within_original]
 """
 

@@ -7,7 +7,7 @@ head's parameter at one address) to show what the lanes save. Prints one line pe
 of ``--repeats`` after a warm-up that includes compiling), peak GiB, and the largest difference of the logits
 and of the position parameters' gradients from the dense path's. CUDA only::
 
-    python scripts/bench_flex.py --length 8192 --schemes kerple fire
+    python scripts/benchmarks/bench_flex.py --length 8192 --schemes kerple fire
 """
 
 from __future__ import annotations

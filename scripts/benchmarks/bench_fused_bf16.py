@@ -15,8 +15,8 @@ arithmetic, not the inputs' rounding); ``floor`` is the reference itself rounded
 the dense path takes to build its mask, once per forward. Speed: rounds of the three in ABBA order
 (``--threads``, default 2), medians and the ratio of medians. Run::
 
-    PYTHONPATH=. python scripts/bench_fused_bf16.py --lengths 2048 8192 --rounds 4
-    PYTHONPATH=. python scripts/bench_fused_bf16.py --lengths 2048 --train   # forward + backward
+    PYTHONPATH=. python scripts/benchmarks/bench_fused_bf16.py --lengths 2048 8192 --rounds 4
+    PYTHONPATH=. python scripts/benchmarks/bench_fused_bf16.py --lengths 2048 --train   # forward + backward
 """
 
 from __future__ import annotations
