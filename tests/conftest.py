@@ -273,6 +273,9 @@ FAST_SUBSET = {
     "test_matrix.py::test_sinusoidal_in_half_precision": {"bf16-llama"},
     "test_extend.py::test_cached_generation_past_the_original_length": {"native-linear"},
     "test_llama_like.py::test_llama_like_families": {"mistral-learned", "qwen2-t5", "qwen3-alibi"},
+    # eager Self-Extend and explicit position ids run fast in test_self_extend_memory.py and test_call_paths.py
+    "test_self_extend_authors.py::test_cached_decode_equals_the_authors_decode_and_a_recompute": {"sdpa"},
+    "test_self_extend_authors.py::test_left_padded_rows_equal_the_authors_formula_row_by_row": {"mask-only"},
     "test_call_paths.py::test_removing_an_accelerate_hook_added_before_the_swap_keeps_the_scheme": {"llama-alibi"},
 }
 

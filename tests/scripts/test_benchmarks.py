@@ -443,6 +443,7 @@ def test_bench_tiny_corpus_file_carries_the_text_to_another_python(tmp_path, mon
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+@pytest.mark.slow  # trains four tiny runs; merging and split refusals are checked fast on written results
 def test_bench_tiny_partial_results_merge_and_split_into_parts(tmp_path, capsys) -> None:
     """A run stopped early (a lent GPU's time ran out) leaves partial.json, which carries what --report needs (corpus,
     versions, command, each row's seed); --split writes it as the parts a run in parts writes, one per (run, seed),
@@ -747,6 +748,7 @@ def fake_worker(settings, task, device, probe_every, state_dir, threads=None, te
     return task, [row]
 
 
+@pytest.mark.slow  # starts a pool of worker processes
 def test_bench_tiny_a_failed_run_in_a_pool_keeps_the_others_results(tmp_path) -> None:
     """One failing task used to let the others run on, then throw every result away (nothing in partial.json)."""
     settings = bench_tiny.Settings(length=16, factors=(1,), seeds=(0, 1))

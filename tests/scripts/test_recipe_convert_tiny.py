@@ -45,6 +45,7 @@ def test_distillation_levers_set_what_their_names_say(name: str, weight: float, 
     assert tiny.distillation(tiny.VARIANTS[name], tiny.FULL) == (weight, temperature)
 
 
+@pytest.mark.slow  # trains; the objective itself is checked fast against Hinton et al.'s formula
 def test_a_distillation_lever_reaches_the_loss_and_its_record(tmp_path, monkeypatch) -> None:
     """The variant's own T reaches the Distilled loss that trains it, and the row says which T and w it used."""
     seen = {}
