@@ -98,6 +98,7 @@ def run_quietly(config: FinetuneConfig, capfd: pytest.CaptureFixture[str], logs:
     return result, "\n".join([captured.out, captured.err, *logs.messages, *(str(w.message) for w in caught)])
 
 
+@pytest.mark.slow  # a second fine-tuning run; the full run below checks the same filter in the default run
 def test_a_lora_run_with_gradient_checkpointing_prints_no_library_noise(ws, tmp_path, capfd, library_logs) -> None:
     config = FinetuneConfig(model=str(ws / "gpt2"), data=[str(ws / "corpus" / "*.txt")], output=str(tmp_path / "run"),
                             scheme="t5", seq_len=32, batch_size=2, steps=2, eval_every=1, save_every=1, lora=True,
