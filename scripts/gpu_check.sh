@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: the CUDA family x scheme matrix (tests/test_cuda.py and the flex / Self-Extend device tests) and
+# The GPU check: the CUDA family x scheme matrix (tests/core/test_cuda.py and the flex / Self-Extend device tests) and
 # the speed benchmark in bf16 at 8,192 and 32,768 tokens, in under 8 minutes, every result under one folder.
 #
 #   bash scripts/gpu_check.sh [RESULTS_DIR]        # on a machine with a CUDA GPU, from the repository root
@@ -42,20 +42,20 @@ step environment 60 bash -c "
 
 if (( rehearse )); then
     export POSSWAP_TEST_DEVICE=cpu
-    step cuda_matrix 600 "$python" -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_cuda.py \
+    step cuda_matrix 600 "$python" -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/core/test_cuda.py \
         -k "llama-alibi or bert-t5 or gpt2-kerple or auto or finetune or long" --junitxml="$results/cuda_matrix.xml"
-    step bench 600 "$python" scripts/bench_speed.py --device cpu --dtype bfloat16 --quick --no-memory \
+    step bench 600 "$python" scripts/benchmarks/bench_speed.py --device cpu --dtype bfloat16 --quick --no-memory \
         --cases llama-alibi llama-self-extend --json "$results/bench.json" --output "$results/bench.md"
 else
     # the matrix first (correctness before speed), then the benchmark with what is left of the 8 minutes
     # 8 workers: flex_attention compiles per scheme, dtype and mask pattern, on the CPU cores (16 there)
     step cuda_matrix 230 "$python" -m pytest -q -p no:cacheprovider -m "slow or not slow" -n 8 --timeout 120 \
-        tests/test_cuda.py tests/test_flex_bias.py tests/test_self_extend_merged.py -k cuda \
+        tests/core/test_cuda.py tests/core/test_flex_bias.py tests/core/test_self_extend_merged.py -k cuda \
         --junitxml="$results/cuda_matrix.xml"
     left=$(( 460 - ($(date +%s) - started) ))
     (( left < 120 )) && left=120
     # the cases with targets first; FIRE and Sandwich (measured, no targets) with what time is left
-    step bench "$left" "$python" scripts/bench_speed.py --device cuda --dtype bfloat16 --lengths 8192 32768 \
+    step bench "$left" "$python" scripts/benchmarks/bench_speed.py --device cuda --dtype bfloat16 --lengths 8192 32768 \
         --cases llama-alibi llama-t5 llama-kerple llama-self-extend llama-fire llama-sandwich --repeats 3 \
         --budget-seconds $(( left - 20 )) --json "$results/bench.json" --output "$results/bench.md"
 fi

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -31,13 +34,31 @@ from transformers import (
 import hf_posswap as ps
 from hf_posswap.evaluation import BYTE_VOCAB_SIZE, byte_tokenizer
 
+#: the behaviour folders (tests/schemes, tests/core, ...): test modules import shared checks from each other by
+#: basename (``from test_export import load_without_hf_posswap``), whichever folder runs first or alone, so every
+#: folder is on the import path and a basename stands in one folder only (checked here, before collection)
+TESTS = Path(__file__).resolve().parent
+TEST_FOLDERS = sorted(p for p in TESTS.iterdir() if p.is_dir() and p.name.isidentifier() and not p.name.startswith("_"))
+sys.path[1:1] = [str(folder) for folder in TEST_FOLDERS if str(folder) not in sys.path]
+
+
+def _repeated_basenames() -> list[str]:
+    """Test files whose name stands in two folders: one would shadow the other on the import path."""
+    names = [path.name for folder in [TESTS, *TEST_FOLDERS] for path in folder.glob("*.py")]
+    return sorted({name for name in names if names.count(name) > 1})
+
+
+if _repeated_basenames():
+    raise ImportError(f"tests/: one name, two test files (rename one): {_repeated_basenames()}")
+
+
 VOCAB = 96
 MAX_POSITIONS = 64
 FAMILIES = ["gpt2", "bert", "llama", "gemma3_text", "phi3", "gpt_neox", "roberta"]
 CAUSAL_FAMILIES = ["gpt2", "llama", "gemma3_text", "phi3", "gpt_neox"]
 SCHEMES = ps.available_schemes()
 #: (family, scheme) swaps that transformers expresses natively (saved as the family's own rope_parameters);
-#: tests/test_checkpoints.py checks this against describe().native for every pair
+#: tests/persistence/test_checkpoints.py checks this against describe().native for every pair
 NATIVE_PAIRS = {(f, "rope") for f in ("llama", "gemma3_text", "phi3", "gpt_neox")} | {
     ("llama", "proportional"),
     ("gpt_neox", "proportional"),
@@ -174,6 +195,32 @@ def save_tiny_checkpoint(family: str, directory, seed: int = 0, **config_overrid
     return directory
 
 
+def save_tiny_adapter(root: Path) -> Path:
+    """A LoRA adapter (with trained T5 tables) over the tiny LLaMA saved at ``root / "llama"``, as ``finetune --lora``
+    writes it, at ``root / "adapter"``."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(root / "llama")
+    ps.swap(base, "t5", num_buckets=16, max_distance=32)
+    model = get_peft_model(base, ps.lora_config(base))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "posswap_positions" in name:
+                param.add_(0.5 * torch.randn_like(param))
+    ps.save_adapter(model, root / "adapter")
+    byte_tokenizer().save_pretrained(root / "adapter")
+    return root / "adapter"
+
+
+def edit_config(directory: Path, edit) -> None:
+    """Apply ``edit`` to the dict of ``directory``'s config.json and write it back."""
+    config = json.loads((directory / "config.json").read_text())
+    edit(config)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
 def write_corpus(directory, documents: int = 40) -> list[str]:
     """Deterministic text files from Python's own documentation topics (no download)."""
     from pydoc_data.topics import topics
@@ -215,24 +262,27 @@ FAST_SUBSET = {
     "test_call_paths.py::test_peft_wrapped_model_runs_the_scheme_on_every_path": {"t5"},
     "test_call_paths.py::test_self_extend_with_explicit_position_ids": {"llama"},
     "test_identity.py::test_unswap_restores_exactly": DIAGONAL | NEW_FAMILIES,
-    "test_new_schemes.py::test_attention_weights_are_the_peers_bias": {  # the families it had; new ones in CI
+    "test_bias_schemes.py::test_attention_weights_are_the_peers_bias": {  # the families it had; new ones in CI
         f"{f}-{s}" for f in ("gpt2", "bert", "llama") for s in ("kerple", "sandwich", "fire")},
     "test_checkpoints.py::test_round_trip_through_auto_classes": DIAGONAL | {"gpt2-proportional"},
     "test_checkpoints.py::test_extended_models_round_trip": {"gpt2-rope-256-yarn", "bert-learned-160-interpolate",
                                                              "llama-t5-300-lift"},
-    "test_issue9_checkpoints.py::test_reloaded_model_unswaps_to_the_native_structure": {"gpt2-rope", "bert-learned",
+    "test_reloaded_checkpoints.py::test_reloaded_model_unswaps_to_the_native_structure": {"gpt2-rope", "bert-learned",
                                                                                        "llama-t5"},
-    "test_issue9_checkpoints.py::test_reloaded_model_swaps_again_extends_and_saves": {"bert-t5"},
-    "test_issue9_checkpoints.py::test_sinusoidal_in_half_precision": {"bf16-llama"},
+    "test_reloaded_checkpoints.py::test_reloaded_model_swaps_again_extends_and_saves": {"bert-t5"},
+    "test_matrix.py::test_sinusoidal_in_half_precision": {"bf16-llama"},
     "test_extend.py::test_cached_generation_past_the_original_length": {"native-linear"},
     "test_llama_like.py::test_llama_like_families": {"mistral-learned", "qwen2-t5", "qwen3-alibi"},
-    "test_review_core.py::test_removing_an_accelerate_hook_added_before_the_swap_keeps_the_scheme": {"llama-alibi"},
+    # eager Self-Extend and explicit position ids run fast in test_self_extend_memory.py and test_call_paths.py
+    "test_self_extend_authors.py::test_cached_decode_equals_the_authors_decode_and_a_recompute": {"sdpa"},
+    "test_self_extend_authors.py::test_left_padded_rows_equal_the_authors_formula_row_by_row": {"mask-only"},
+    "test_call_paths.py::test_removing_an_accelerate_hook_added_before_the_swap_keeps_the_scheme": {"llama-alibi"},
 }
 
 
 def refuses(family: str | None, scheme: str | None) -> bool:
     """Whether ``swap`` refuses this pair: causal-only schemes (xpos) on encoders. Their matrix ids are skipped;
-    tests/test_rotary_schemes.py checks the refusal for every encoder family."""
+    tests/schemes/test_rotary_schemes.py checks the refusal for every encoder family."""
     from hf_posswap.schemes import SCHEME_REGISTRY
 
     if family not in FAMILIES or family in CAUSAL_FAMILIES or scheme not in SCHEMES:
@@ -249,7 +299,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         params = getattr(callspec, "params", {})
         if refuses(params.get("family"), params.get("scheme")):
             item.add_marker(pytest.mark.skip(reason=f"{params['scheme']} is causal only: swap refuses "
-                                             f"{params['family']} (tests/test_rotary_schemes.py checks it)"))
+                                             f"{params['family']} (tests/schemes/test_rotary_schemes.py checks it)"))
         name = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
         if callspec is None or name not in FAST_SUBSET:
             continue

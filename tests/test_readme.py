@@ -42,26 +42,26 @@ BUDGET = [("--steps 500", "--steps 2"), ("steps=500", "steps=2")]
 # Commands in the README that no test can run, with the reason.
 NOT_RUN = {
     "bash scripts/demo.sh": "creates a virtual environment and runs SmolLM2 for minutes; `hf-posswap demo` runs "
-                            "with short lengths in tests/test_real_checkpoints.py and on a tiny model in "
-                            "tests/test_progress.py",
+                            "with short lengths in tests/families/test_real_checkpoints.py and on a tiny model in "
+                            "tests/training/test_progress.py",
     "bash scripts/test.sh": "is CI itself (.ci/run runs exactly this)",
-    "pip install -e .": "installs into the running environment; scripts/compat.py installs the package into fresh "
+    "pip install -e .": "installs into the running environment; scripts/maintenance/compat.py installs the package into fresh "
                         "environments of each tested transformers release and runs the suite there",
-    "python scripts/bench_tiny.py --device cuda": "trains 14 tiny models x 10,000 steps on a GPU (hours on CPU); "
-                                                  "its --quick mode runs in tests/test_benchmarks.py",
-    "python scripts/bench_tiny.py --schemes": "trains a tiny model for 10,000-20,000 steps per run (16-59 min on 2 "
-                                              "cores); tests/test_benchmarks.py runs scheme options and probes for a "
+    "python scripts/benchmarks/bench_tiny.py --device cuda": "trains 14 tiny models x 10,000 steps on a GPU (hours on CPU); "
+                                                  "its --quick mode runs in tests/scripts/test_benchmarks.py",
+    "python scripts/benchmarks/bench_tiny.py --schemes": "trains a tiny model for 10,000-20,000 steps per run (16-59 min on 2 "
+                                              "cores); tests/scripts/test_benchmarks.py runs scheme options and probes for a "
                                               "few steps",
-    "python scripts/bench_tiny.py --report": "merges runs' results (GPU seeds, CPU parts); tests/test_benchmarks.py "
+    "python scripts/benchmarks/bench_tiny.py --report": "merges runs' results (GPU seeds, CPU parts); tests/scripts/test_benchmarks.py "
                                              "tests the merge",
     "python -m pytest": "is this test suite (CONTRIBUTING's commands to run it)",
     "ruff check": "lint; a development tool, not a package dependency",
     "bash scripts/gpu_check.sh": "needs a CUDA GPU; its --rehearse mode runs the same steps on the CPU by hand",
-    "python scripts/bench_speed.py": "measures for minutes to most of an hour; tests/test_benchmarks.py runs it on "
+    "python scripts/benchmarks/bench_speed.py": "measures for minutes to most of an hour; tests/scripts/test_benchmarks.py runs it on "
                                      "tiny settings",
-    "python scripts/bench_tiny.py --quick": "trains 14 tiny models (11 min); tests/test_benchmarks.py runs it for a "
+    "python scripts/benchmarks/bench_tiny.py --quick": "trains 14 tiny models (11 min); tests/scripts/test_benchmarks.py runs it for a "
                                             "few steps",
-    "accelerate launch": "needs two processes; tests/test_finetune.py::test_two_processes_train_data_parallel runs "
+    "accelerate launch": "needs two processes; tests/training/test_finetune.py::test_two_processes_train_data_parallel runs "
                          "finetune() under the same launcher",
 }
 
@@ -279,12 +279,13 @@ def test_support_matrix_in_readme_is_generated_from_the_registries() -> None:
     from hf_posswap.cli.matrix import support_matrix_markdown
 
     section = readme().split("<!-- support-matrix:start -->\n", 1)[1].split("\n<!-- support-matrix:end -->", 1)[0]
-    assert section == support_matrix_markdown(), "README's matrix is stale: run python scripts/support_matrix.py"
+    assert section == support_matrix_markdown(), ("README's matrix is stale: run "
+                                                  "python scripts/maintenance/support_matrix.py")
 
 
 @pytest.mark.slow
 def test_support_matrix_script_checks_the_readme() -> None:
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "support_matrix.py"), "--check"],
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "maintenance" / "support_matrix.py"), "--check"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 

@@ -14,7 +14,7 @@ from ..errors import PosSwapError
 
 #: positions `inspect` draws unless --length says otherwise
 INSPECT_LENGTH = 256
-#: the built-in scheme names (``hf_posswap.available_schemes()``; tests/test_cli_fast.py checks they agree)
+#: the built-in scheme names (``hf_posswap.available_schemes()``; tests/cli/test_cli_fast.py checks they agree)
 SCHEMES = ("learned", "sinusoidal", "none", "rope", "alibi", "t5", "kerple", "sandwich", "fire", "xpos", "proportional",
            "layer_mix")
 #: the built-in context-extension methods (``hf_posswap.available_extension_methods()``)

@@ -297,7 +297,7 @@ def fused_bias_attention(
 def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``tensors`` as ``scaled_dot_product_attention`` receives them under CPU autocast: it is one of autocast's
     lower-precision ops there (aten/src/ATen/autocast_mode.cpp), which cast every floating tensor but float64 to the
-    autocast dtype (checked in tests/test_fused_bf16.py)."""
+    autocast dtype (checked in tests/schemes/test_fused_bf16.py)."""
     dtype = torch.get_autocast_dtype("cpu")
     return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
 

@@ -115,7 +115,7 @@ def _context(state: Any) -> dict[str, Any] | None:
 
 
 def _cache_note(method: str, native: bool) -> str:
-    """What happens with the KV cache for a length-dependent method (tested in tests/test_extend.py)."""
+    """What happens with the KV cache for a length-dependent method (tested in tests/core/test_extend.py)."""
     if method == "self_extend":
         return (
             "a query's grouped distances depend only on its own and its keys' positions, not on the current "

@@ -29,7 +29,7 @@ query positions, and the 1 -> W -> H ReLU MLP as the piecewise-linear function i
 gathers per score), head mixes (the bias part, zero on rotary heads; rotary heads are rotated before the call) and
 layer mixes (each bias part per layer).
 
-Measured on an H200 (torch 2.11, ``scripts/bench_flex.py``: 2 LLaMA layers of 16 heads of 128, bf16, 8,192
+Measured on an H200 (torch 2.11, ``scripts/benchmarks/bench_flex.py``: 2 LLaMA layers of 16 heads of 128, bf16, 8,192
 tokens, forward + backward with trainable KERPLE): flex 106 ms and 1.8 GiB peak against the dense path's 120 ms
 and 31.8 GiB; without the lanes (every gradient add of a head at one address) flex took 2,304 ms.
 

@@ -11,7 +11,7 @@ Precision: the kernel adds ``m (j - c)`` to ``s q.k`` in the working dtype, so t
 (near the query) carry a rounding error of about eps * m * |i - c|. The reference c is the middle of the query
 positions (decoding steps take their small exact bias instead); past 16k tokens at slope 1/2 a prefill runs in
 blocks of queries with a reference each (slower), so the error stops growing with the length. The float32 error,
-measured and tested (``tests/test_fast_alibi.py``): see :data:`FP32_TOLERANCE`.
+measured and tested (``tests/schemes/test_alibi_fused.py``): see :data:`FP32_TOLERANCE`.
 
 Half precision (bfloat16, float16; CPU): one column in the working dtype would round m / s and j - c to 8 (11) bits
 (j - c = 1,001 becomes 1,000), so the term takes four columns, two-term splits ``x = hi + lo`` of both
@@ -19,7 +19,7 @@ Half precision (bfloat16, float16; CPU): one column in the working dtype would r
 product of two half-precision numbers is exact in float32 and sdpa's CPU kernel sums the logits in float32, so the
 kernel adds ``(m_hi + m_lo)(d_hi + d_lo)``: the slope to ~16 bits and the offset exactly (integers below 2**16;
 float16: 2**22), with the float32 form's error. The dense path rounds its whole bias to the model's dtype, so this
-form is at least as exact as it (measured in ``tests/test_fused_bf16.py``). Decoding steps' and encoders' bias
+form is at least as exact as it (measured in ``tests/schemes/test_fused_bf16.py``). Decoding steps' and encoders' bias
 numbers are float32 (the kernel takes a float32 mask with half-precision q, k, v). Where a backward follows, grouped
 key-value heads are expanded (:func:`grouped_heads`), and trainable slopes take the float32 form
 (:func:`_float32_causal`): both for the gradients' precision. Other devices keep the dense path.

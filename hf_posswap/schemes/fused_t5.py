@@ -19,7 +19,7 @@ Dtypes: q, k, v in float32, float64, bfloat16 or float16; the table ``weight`` i
 half precision, else q's). Half-precision far parts run the fused kernel in their dtype (float32 logits, softmax and
 accumulation inside it; its log-sum-exp is float32); the band, the merge and every gradient sum run in the working
 dtype, and the output and q/k/v gradients are rounded to q's dtype once, at the end (the dense path rounds its bias
-to the model's dtype too, so this is at least as exact as it; measured in ``tests/test_fused_bf16.py``).
+to the model's dtype too, so this is at least as exact as it; measured in ``tests/schemes/test_fused_bf16.py``).
 """
 
 from __future__ import annotations

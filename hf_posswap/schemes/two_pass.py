@@ -65,7 +65,8 @@ class SelfExtend(RopeScaling):
             to the unextended model and take its ordinary attention path. The authors' rule costs a little there:
             on SmolLM2-135M with a declared original length of 512 (W 128, G 5), perplexity at positions 128-511
             rose by 0.8 % +- 0.15 % (26 of 32 pieces), with 1,024 (W 256) by 0.35 % +- 0.26 %; past the original
-            length the two rules differed by 0.05 % (within noise). See ``scripts/self_extend_within_original.py``.
+            length the two rules differed by 0.05 % (within noise). See
+            ``scripts/benchmarks/self_extend_within_original.py``.
     """
 
     method = "self_extend"

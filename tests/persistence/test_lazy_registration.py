@@ -1,0 +1,57 @@
+"""``import hf_posswap`` costs what a user's script imports anyway: no modeling file and none of transformers'
+model-loading machinery is imported until a family is used, and swapped checkpoints still load through the Auto
+classes in a fresh process (the registration is lazy, not missing). Timing itself is measured by
+``scripts/benchmarks/bench_cli.py``; these tests check the imports, which decide it."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import swapped
+
+PROBE = """
+import json, sys
+import hf_posswap
+heavy = sorted(m for m in sys.modules if m.startswith("transformers.models.") and ".modeling_" in m
+               and not m.startswith("transformers.models.auto."))
+print(json.dumps({"modeling": heavy, "modeling_utils": "transformers.modeling_utils" in sys.modules,
+                  "dtensor": "torch.distributed.tensor" in sys.modules}))
+"""
+
+
+def test_import_loads_no_modeling_file() -> None:
+    result = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
+    imported = json.loads(result.stdout.strip().splitlines()[-1])
+    assert imported == {"modeling": [], "modeling_utils": False, "dtensor": False}, imported
+
+
+@pytest.mark.slow
+def test_a_fresh_process_loads_a_swapped_checkpoint_through_the_auto_class(tmp_path) -> None:
+    model = swapped("llama", "alibi")
+    model.save_pretrained(tmp_path)
+    input_ids = torch.arange(3, 19)[None]
+    expected = model(input_ids=input_ids).logits[0, -1].tolist()
+    script = f"""
+import json, torch, hf_posswap
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})
+print(json.dumps(model(input_ids=torch.arange(3, 19)[None]).logits[0, -1].tolist()))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    torch.testing.assert_close(torch.tensor(json.loads(result.stdout.strip().splitlines()[-1])),
+                               torch.tensor(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_a_pickled_config_unpickles_in_a_fresh_process() -> None:
+    """pickle names ``hf_posswap.core.state.PosSwap<Config>``: the class is built on that lookup."""
+    config = swapped("gpt2", "t5").config
+    script = "import pickle, sys; config = pickle.loads(sys.stdin.buffer.read()); print(type(config).__name__, " \
+             "config.posswap['scheme'])"
+    result = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(config), capture_output=True,
+                            check=True)
+    assert result.stdout.decode().split() == ["PosSwapGPT2Config", "t5"]

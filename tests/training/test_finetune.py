@@ -1,0 +1,275 @@
+"""Fine-tuning: objectives, LoRA with position parameters, resume after a kill, atomic checkpoints, many
+processes, the HF Trainer."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import save_tiny_checkpoint, write_corpus
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+import hf_posswap as ps
+from hf_posswap.persistence.adapters import load_adapter, trainable_position_modules
+from hf_posswap.training import FinetuneConfig, finetune
+from hf_posswap.training.losses import pose_position_ids
+from hf_posswap.training.state import latest_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("finetune")
+    for family in ("gpt2", "bert", "llama"):
+        save_tiny_checkpoint(family, root / family)
+    (root / "corpus").mkdir()
+    write_corpus(root / "corpus")
+    return root
+
+
+def run(workspace: Path, family: str, output: Path, **options) -> dict:
+    settings = {"seq_len": 64, "batch_size": 4, "steps": 6, "lr": 2e-3, "eval_every": 3, "save_every": 3, **options}
+    config = FinetuneConfig(model=str(workspace / family), data=[str(workspace / "corpus" / "*.txt")],
+                            output=str(output), **settings)
+    return finetune(config)
+
+
+def losses(output: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (output / "loss_log.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(("family", "scheme", "auto"), [("gpt2", "alibi", AutoModelForCausalLM),
+                                                        ("bert", "t5", AutoModelForMaskedLM),
+                                                        ("llama", "sinusoidal", AutoModelForCausalLM)])
+@pytest.mark.slow
+def test_full_finetune_learns_and_saves_a_reloadable_model(workspace, tmp_path, family, scheme, auto) -> None:
+    result = run(workspace, family, tmp_path, scheme=scheme, steps=10)
+    curve = losses(tmp_path)
+    assert len(curve) == 10 and curve[-1] < curve[0]
+    assert result["eval_loss"] is not None and result["steps"] == 10
+    reloaded = auto.from_pretrained(tmp_path / "final")
+    assert ps.describe(reloaded).scheme == scheme
+    assert (tmp_path / "final" / "model.safetensors").exists() and (tmp_path / "final" / "tokenizer.json").exists()
+
+
+def test_lora_trains_and_saves_the_position_parameters(workspace, tmp_path) -> None:
+    run(workspace, "llama", tmp_path, scheme="t5", lora=True, merge_lora=True)
+    adapter = tmp_path / "adapter"
+    from safetensors.torch import load_file
+
+    keys = load_file(adapter / "adapter_model.safetensors").keys()
+    assert any("posswap_positions" in key for key in keys), sorted(keys)
+    assert any("lora_A" in key for key in keys)
+    # the same swap on the base: the adapter loads with its tables
+    base = AutoModelForCausalLM.from_pretrained(workspace / "llama")
+    ps.swap(base, "t5")
+    peft_model = load_adapter(base, adapter).eval()
+    tables = peft_model.get_base_model().model.posswap_positions
+    assert any(param.abs().sum() > 0 for param in tables.parameters()), "trained T5 tables were dropped"
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    input_ids = torch.randint(0, 250, (1, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=input_ids).logits, peft_model(input_ids=input_ids).logits,
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_adapter_onto_a_base_swapped_differently_is_refused(workspace, tmp_path) -> None:
+    run(workspace, "gpt2", tmp_path, scheme="learned", lora=True, steps=2)
+    base = AutoModelForCausalLM.from_pretrained(workspace / "gpt2")
+    with pytest.raises(ps.InvalidConfigError, match=r"was trained on a model swapped to \{'scheme': 'learned'.*but "
+                       r"this base carries no swap\. Loading it would drop or misplace its position weights"):
+        load_adapter(base, tmp_path / "adapter")
+
+
+def test_trainable_position_modules() -> None:
+    from conftest import make_model
+
+    model = make_model("gpt2")
+    ps.swap(model, "learned")
+    assert trainable_position_modules(model) == ["wpe"]
+    ps.swap(model, "alibi", replace=True)
+    assert trainable_position_modules(model) == []
+    ps.swap(model, "alibi", replace=True, trainable_slopes=True)
+    assert trainable_position_modules(model) == ["posswap_positions"]
+
+
+DRIVER = textwrap.dedent("""
+    import os, sys
+    from hf_posswap.training import FinetuneConfig, finetune
+    import hf_posswap.training.loop as loop
+    from hf_posswap.training.state import publish_checkpoint
+    kill_at = int(os.environ.get("KILL_AT_STEP", "0"))
+
+    def publish_then_die(output, step, state, keep=2):
+        path = publish_checkpoint(output, step, state, keep)
+        if step == kill_at:
+            os._exit(9)  # killed right after a checkpoint: no cleanup, no final save
+        return path
+
+    loop.publish_checkpoint = publish_then_die
+    finetune(FinetuneConfig(model=sys.argv[1], data=[sys.argv[2]], output=sys.argv[3], scheme="alibi", seq_len=64,
+                            batch_size=4, steps=8, lr=2e-3, save_every=4, eval_every=0,
+                            resume="--resume" in sys.argv))
+    """)
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_where_it_stopped(workspace, tmp_path) -> None:
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    args = [sys.executable, str(driver), str(workspace / "gpt2"), str(workspace / "corpus" / "*.txt")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([*args, str(tmp_path / "straight")], check=True, env=env, capture_output=True, timeout=600)
+    killed = subprocess.run([*args, str(tmp_path / "resumed")], env={**env, "KILL_AT_STEP": "4"},
+                            capture_output=True, timeout=600)
+    assert killed.returncode == 9
+    assert len(losses(tmp_path / "resumed")) == 4 and not (tmp_path / "resumed" / "final").exists()
+    subprocess.run([*args, str(tmp_path / "resumed"), "--resume"], check=True, env=env, capture_output=True,
+                   timeout=600)
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert len(resumed) == 8
+    assert resumed == pytest.approx(straight, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_crash_during_a_save_keeps_the_last_good_checkpoint(workspace, tmp_path, monkeypatch) -> None:
+    run(workspace, "gpt2", tmp_path, scheme="alibi", steps=3, save_every=3)
+    good = latest_checkpoint(tmp_path)
+    assert good is not None and good.name == "step-3"
+
+    from accelerate import Accelerator
+
+    original = Accelerator.save_state
+
+    def crash(self, output_dir=None, **kwargs):
+        original(self, output_dir, **kwargs)  # everything written to the staging directory ...
+        raise KeyboardInterrupt("power cut")  # ... and the process dies before publishing it
+
+    monkeypatch.setattr(Accelerator, "save_state", crash)
+    with pytest.raises(KeyboardInterrupt):
+        run(workspace, "gpt2", tmp_path, scheme="alibi", steps=6, save_every=3, resume=True)
+    assert latest_checkpoint(tmp_path) == good
+    assert (good / "trainer_state.json").exists()
+
+
+@pytest.mark.slow
+def test_two_processes_train_data_parallel(workspace, tmp_path) -> None:
+    script = tmp_path / "two.py"
+    script.write_text(textwrap.dedent(f"""
+        import json
+        from accelerate import PartialState
+        from hf_posswap.training import FinetuneConfig, finetune
+        result = finetune(FinetuneConfig(model={str(workspace / "gpt2")!r},
+                                         data=[{str(workspace / "corpus" / "*.txt")!r}],
+                                         output={str(tmp_path / "out")!r}, scheme="t5", seq_len=64, batch_size=2,
+                                         steps=4, lr=2e-3, save_every=2, eval_every=2))
+        rank = PartialState().process_index
+        with open({str(tmp_path)!r} + f"/rank{{rank}}.json", "w") as handle:
+            json.dump({{"rank": rank, "processes": PartialState().num_processes, "loss": result["train_loss"],
+                       "checksum": result["parameter_checksum"]}}, handle)
+        """))
+    # accelerate's --cpu launcher goes multi-process only through mpirun; torchrun (--multi_gpu) works on CPU
+    # because finetune() asks accelerate for gloo when there is no CUDA.
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    reported = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["processes"] for r in reported] == [2, 2], "the two processes did not form one data-parallel group"
+    assert reported[0]["loss"] == reported[1]["loss"], "processes disagree on the (gathered) loss"
+    assert reported[0]["checksum"] == reported[1]["checksum"], "the processes' weights diverged"
+    assert len(losses(tmp_path / "out")) == 4, "the loss log is written once, by the main process"
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["latest", "step-2", "step-4"]
+    assert (tmp_path / "out" / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_hf_trainer_runs_a_swapped_model(workspace, tmp_path) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    model = AutoModelForCausalLM.from_pretrained(workspace / "llama")
+    ps.swap(model, "alibi", trainable_slopes=True)
+    data = [{"input_ids": torch.randint(0, 250, (32,)), "labels": None} for _ in range(8)]
+    for item in data:
+        item["labels"] = item["input_ids"].clone()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4,
+                             report_to=[], use_cpu=True, logging_steps=1, save_strategy="no")
+    slopes_before = model.model.posswap_positions.slopes.detach().clone()
+    Trainer(model=model, args=args, train_dataset=data).train()
+    assert not torch.equal(model.model.posswap_positions.slopes, slopes_before)
+
+
+@pytest.mark.slow
+def test_distillation_and_pose_runs(workspace, tmp_path) -> None:
+    run(workspace, "llama", tmp_path / "distill", scheme="alibi", distill=True, distill_weight=0.5, steps=3)
+    run(workspace, "bert", tmp_path / "encoder", scheme="alibi", distill=True, steps=3)
+    run(workspace, "gpt2", tmp_path / "pose", scheme="rope", pose_target=256, steps=3)
+    for name in ("distill", "encoder", "pose"):
+        assert len(losses(tmp_path / name)) == 3
+
+
+def test_pose_position_ids_span_the_target() -> None:
+    generator = torch.Generator().manual_seed(0)
+    ids = pose_position_ids(64, 32, 256, generator)
+    assert ids.shape == (64, 32) and int(ids.max()) < 256 and int(ids.max()) > 200
+    steps = ids[:, 1:] - ids[:, :-1]
+    assert ((steps == 1).sum(1) >= 30).all()  # one skip per row at most
+    assert (ids[:, 0] == 0).all()
+
+
+def test_finetune_config_errors() -> None:
+    with pytest.raises(ps.InvalidConfigError, match=r"FinetuneConfig.steps must be a positive integer, got 0"):
+        FinetuneConfig(model="m", data=["d"], output="o", steps=0)
+    with pytest.raises(ps.InvalidConfigError, match=r"pose_target=100 must exceed seq_len=512"):
+        FinetuneConfig(model="m", data=["d"], output="o", pose_target=100)
+    with pytest.raises(ps.InvalidConfigError, match=r"No training data matches '/nonexistent/\*.txt'"):
+        finetune(FinetuneConfig(model=str(ROOT), data=["/nonexistent/*.txt"], output="/tmp/x"))
+
+
+def test_jsonl_and_datasets_directories_are_read(workspace, tmp_path) -> None:
+    from hf_posswap.training.data import expand_paths, read_documents
+
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text('{"text": "first document"}\n\n{"text": "second"}\n', encoding="utf-8")
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"body": ["from a dataset", "on disk"]}).save_to_disk(str(tmp_path / "ds"))
+    assert read_documents(expand_paths([str(jsonl)])) == ["first document", "second"]
+    assert read_documents(expand_paths([str(tmp_path / "ds")]), text_field="body") == ["from a dataset", "on disk"]
+    with pytest.raises(ps.InvalidConfigError, match=r"docs.jsonl:1 has no 'body' field; pass --text-field"):
+        read_documents([jsonl], text_field="body")
+
+
+@pytest.mark.slow
+def test_cli_finetune(workspace, tmp_path) -> None:
+    command = [sys.executable, "-m", "hf_posswap", "finetune", "--model", str(workspace / "gpt2"), "--data",
+               str(workspace / "corpus" / "*.txt"), "--output", str(tmp_path), "--scheme", "t5", "--scheme-option",
+               "num_buckets=16", "--seq-len", "64", "--steps", "2", "--batch-size", "2", "--eval-every", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "finished 2 steps" in result.stdout
+    saved = json.loads((tmp_path / "final" / "config.json").read_text())
+    assert saved["posswap"]["num_buckets"] == 16
+    bad = subprocess.run([*command[:4], "--model", str(workspace / "gpt2"), "--data", "/nonexistent.txt", "--output",
+                          str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "hf-posswap finetune: No training data matches '/nonexistent.txt'. Pass text/jsonl files or a directory.")
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_accumulation_and_bf16(workspace, tmp_path) -> None:
+    result = run(workspace, "llama", tmp_path, scheme="t5", steps=2, gradient_checkpointing=True, grad_accum=2,
+                 mixed_precision="bf16")
+    assert result["steps"] == 2 and math.isfinite(result["train_loss"])
+    assert len(losses(tmp_path)) == 2
