@@ -45,24 +45,25 @@ NOT_RUN = {
                             "with short lengths in tests/families/test_real_checkpoints.py and on a tiny model in "
                             "tests/training/test_progress.py",
     "bash scripts/test.sh": "is CI itself (.ci/run runs exactly this)",
-    "pip install -e .": "installs into the running environment; scripts/maintenance/compat.py installs the package into fresh "
-                        "environments of each tested transformers release and runs the suite there",
-    "python scripts/benchmarks/bench_tiny.py --device cuda": "trains 14 tiny models x 10,000 steps on a GPU (hours on CPU); "
-                                                  "its --quick mode runs in tests/scripts/test_benchmarks.py",
-    "python scripts/benchmarks/bench_tiny.py --schemes": "trains a tiny model for 10,000-20,000 steps per run (16-59 min on 2 "
-                                              "cores); tests/scripts/test_benchmarks.py runs scheme options and probes for a "
-                                              "few steps",
-    "python scripts/benchmarks/bench_tiny.py --report": "merges runs' results (GPU seeds, CPU parts); tests/scripts/test_benchmarks.py "
-                                             "tests the merge",
+    "pip install -e .": "installs into the running environment; scripts/maintenance/compat.py installs the package "
+                        "into fresh environments of each tested transformers release and runs the suite there",
+    "python scripts/benchmarks/bench_tiny.py --device cuda":
+        "trains 14 tiny models x 10,000 steps on a GPU (hours on CPU); its --quick mode runs in "
+        "tests/scripts/test_benchmarks.py",
+    "python scripts/benchmarks/bench_tiny.py --schemes":
+        "trains a tiny model for 10,000-20,000 steps per run (16-59 min on 2 cores); tests/scripts/test_benchmarks.py "
+        "runs scheme options and probes for a few steps",
+    "python scripts/benchmarks/bench_tiny.py --report":
+        "merges runs' results (GPU seeds, CPU parts); tests/scripts/test_benchmarks.py tests the merge",
     "python -m pytest": "is this test suite (CONTRIBUTING's commands to run it)",
     "ruff check": "lint; a development tool, not a package dependency",
     "bash scripts/gpu_check.sh": "needs a CUDA GPU; its --rehearse mode runs the same steps on the CPU by hand",
-    "python scripts/benchmarks/bench_speed.py": "measures for minutes to most of an hour; tests/scripts/test_benchmarks.py runs it on "
-                                     "tiny settings",
-    "python scripts/benchmarks/bench_tiny.py --quick": "trains 14 tiny models (11 min); tests/scripts/test_benchmarks.py runs it for a "
-                                            "few steps",
-    "accelerate launch": "needs two processes; tests/training/test_finetune.py::test_two_processes_train_data_parallel runs "
-                         "finetune() under the same launcher",
+    "python scripts/benchmarks/bench_speed.py":
+        "measures for minutes to most of an hour; tests/scripts/test_benchmarks.py runs it on tiny settings",
+    "python scripts/benchmarks/bench_tiny.py --quick":
+        "trains 14 tiny models (11 min); tests/scripts/test_benchmarks.py runs it for a few steps",
+    "accelerate launch": "needs two processes; tests/training/test_finetune.py::test_two_processes_train_data_parallel "
+                         "runs finetune() under the same launcher",
 }
 
 
@@ -352,7 +353,7 @@ def test_each_generated_section_is_in_its_page_once(name, page) -> None:
 
 
 def test_section_writers_name_the_page_and_link_pictures_from_it(tmp_path) -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "maintenance"))
     from readme_section import picture_link, project_root, shown_path
 
     page = ROOT / "docs" / "results.md"

@@ -10,9 +10,11 @@ model (VmHWM), the whole process and the increment over the same process idle ju
 from the caching allocator in this process (also for one training step). Every ratio a target is set for (TARGETS
 on the CPU, CUDA_TARGETS on a GPU) is marked pass (✓) or fail (✗).
 
-    python scripts/benchmarks/bench_speed.py --readme docs/speed.md  # 2,048 and 8,192 tokens, every case (35-45 min, 2 idle cores)
+    # 2,048 and 8,192 tokens, every case (35-45 min, 2 idle cores)
+    python scripts/benchmarks/bench_speed.py --readme docs/speed.md
     python scripts/benchmarks/bench_speed.py --cases llama-alibi --lengths 2048 --steps forward decode --output bench.md
-    python scripts/benchmarks/bench_speed.py --quick              # tiny models, 64 tokens: checks that it runs (2-7 min)
+    # tiny models, 64 tokens: checks that it runs (2-7 min)
+    python scripts/benchmarks/bench_speed.py --quick
     python scripts/benchmarks/bench_speed.py --device cuda --dtype bfloat16 --json gpu.json --budget-seconds 400
                                                        # 8,192 and 32,768 tokens, a 0.3 B LLaMA-like decoder
 

@@ -8,14 +8,21 @@ non-overlapping NLL, tail NLL (only positions past L), sliding-window NLL and pa
 model is then extended with every RoPE scaling (``hf_posswap.extend_context``), evaluated zero-shot, fine-tuned
 briefly at the target length and evaluated again.
 
-    python scripts/benchmarks/bench_tiny.py --quick                 # one seed, small budget, 8 runs (about 15 min on 2 cores)
-    python scripts/benchmarks/bench_tiny.py                         # full: 3 seeds, L = 256, 10,000 steps, every run
-    python scripts/benchmarks/bench_tiny.py --device cuda --jobs 16 # full on one GPU, 16 runs at a time (~8 min per seed, H100)
-    python scripts/benchmarks/bench_tiny.py --schemes sandwich:dim=32 --seeds 2 --probe-every 1000   # a scheme with options
-    python scripts/benchmarks/bench_tiny.py --until-retrieval 20000 --probe-every 1000   # train each run until it retrieves
-    python scripts/benchmarks/bench_tiny.py --until-retrieval 20000 --confirm-retrieval 2 --probe-every 1000  # two probes in a row
-    python scripts/benchmarks/bench_tiny.py --report a.json b.json  # redraw table and plot, merging runs of other seeds
-    python scripts/benchmarks/bench_tiny.py --quick --readme docs/results.md   # also refresh that section and its plot
+    # one seed, small budget, 8 runs (about 15 min on 2 cores)
+    python scripts/benchmarks/bench_tiny.py --quick
+    # full: 3 seeds, L = 256, 10,000 steps, every run
+    python scripts/benchmarks/bench_tiny.py
+    # full on one GPU, 16 runs at a time (~8 min per seed, H100)
+    python scripts/benchmarks/bench_tiny.py --device cuda --jobs 16
+    # a scheme with options
+    python scripts/benchmarks/bench_tiny.py --schemes sandwich:dim=32 --seeds 2 --probe-every 1000
+    # train each run until it retrieves; then with two probes in a row
+    python scripts/benchmarks/bench_tiny.py --until-retrieval 20000 --probe-every 1000
+    python scripts/benchmarks/bench_tiny.py --until-retrieval 20000 --confirm-retrieval 2 --probe-every 1000
+    # redraw table and plot, merging runs of other seeds
+    python scripts/benchmarks/bench_tiny.py --report a.json b.json
+    # also refresh that section of docs/results.md and its plot
+    python scripts/benchmarks/bench_tiny.py --quick --readme docs/results.md
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from hf_posswap.persistence.saving import write_file_atomic
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is scripts/maintenance/readme_section.py)
 
 
 def replace_section(readme: Path, name: str, body: str) -> None:
