@@ -91,11 +91,27 @@ def fit_layers_for_fsdp(model: Any, mixed_precision: str) -> None:
             layer.register_forward_pre_hook(CastInputs(PRECISIONS[mixed_precision]), with_kwargs=True)
 
 
-def _plugin_arguments(section: dict[str, Any]) -> dict[str, Any]:
+def accelerate_has_fsdp2() -> bool:
+    """Whether the installed accelerate builds FSDP2 plugins (its ``fsdp_version`` setting; accelerate 1.6 on)."""
     import dataclasses
 
     from accelerate.utils import FullyShardedDataParallelPlugin
 
+    return "fsdp_version" in {field.name for field in dataclasses.fields(FullyShardedDataParallelPlugin)}
+
+
+def _plugin_arguments(section: dict[str, Any]) -> dict[str, Any]:
+    import dataclasses
+
+    import accelerate
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    if not accelerate_has_fsdp2():
+        raise InvalidConfigError(
+            f"The accelerate config asks for FSDP, and the installed accelerate {accelerate.__version__} has no FSDP2 "
+            "(fsdp_version: 2, from accelerate 1.6): upgrade it (pip install -U accelerate), or shard with "
+            "hf_posswap.training.sharding.shard_model (FSDP2 straight from PyTorch) in your own loop."
+        )
     known = {field.name for field in dataclasses.fields(FullyShardedDataParallelPlugin)}
     options: dict[str, Any] = {}
     for key, value in section.items():

@@ -10,7 +10,12 @@ from conftest import save_tiny_checkpoint, write_corpus
 
 from hf_posswap.errors import InvalidConfigError
 from hf_posswap.training import FinetuneConfig, finetune
-from hf_posswap.training.accelerate_config import fsdp_plugin, fsdp_plugin_options, read_accelerate_config
+from hf_posswap.training.accelerate_config import (
+    accelerate_has_fsdp2,
+    fsdp_plugin,
+    fsdp_plugin_options,
+    read_accelerate_config,
+)
 from hf_posswap.training.config import build_parser, config_from_args
 
 #: what `accelerate config` writes for FSDP2 (accelerate 1.x)
@@ -34,12 +39,17 @@ use_cpu: false
 """
 
 
+#: accelerate before 1.6 builds no FSDP2 plugin (the floor, 1.0.1, is one): those files are refused (tested below)
+needs_fsdp2 = pytest.mark.skipif(not accelerate_has_fsdp2(), reason="the installed accelerate has no FSDP2 (1.6 on)")
+
+
 def write(tmp_path: Path, text: str, name: str = "accelerate.yaml") -> Path:
     path = tmp_path / name
     path.write_text(text, encoding="utf-8")
     return path
 
 
+@needs_fsdp2
 def test_fsdp2_settings_become_plugin_arguments(tmp_path: Path) -> None:
     options = fsdp_plugin_options(read_accelerate_config(write(tmp_path, FSDP2_YAML)))
     assert options == {
@@ -50,6 +60,7 @@ def test_fsdp2_settings_become_plugin_arguments(tmp_path: Path) -> None:
     }
 
 
+@needs_fsdp2
 def test_the_plugin_is_built_for_cuda(tmp_path: Path) -> None:
     from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -61,7 +72,8 @@ def test_the_plugin_is_built_for_cuda(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("text", "expected"), [
     ("distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: 3}\n", "DeepSpeed"),
-    ("distributed_type: FSDP\nfsdp_config: {fsdp_shard_everything: true}\n", "fsdp_shard_everything"),
+    pytest.param("distributed_type: FSDP\nfsdp_config: {fsdp_shard_everything: true}\n", "fsdp_shard_everything",
+                 marks=needs_fsdp2),
     ("distributed_type: MULTI_GPU\nfsdp_config: {fsdp_version: 2}\n", "distributed_type: FSDP"),
     ("- a list\n", "mapping"),
     ("distributed_type: [FSDP\n", "cannot be read"),
@@ -69,6 +81,16 @@ def test_the_plugin_is_built_for_cuda(tmp_path: Path) -> None:
 def test_files_that_cannot_shard_are_refused_in_one_line(tmp_path: Path, text: str, expected: str) -> None:
     with pytest.raises(InvalidConfigError, match=expected) as error:
         fsdp_plugin(write(tmp_path, text), cuda=True)
+    assert "\n" not in str(error.value)
+
+
+def test_an_accelerate_without_fsdp2_is_refused_with_the_upgrade(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import hf_posswap.training.accelerate_config as accelerate_config
+
+    monkeypatch.setattr(accelerate_config, "accelerate_has_fsdp2", lambda: False)
+    with pytest.raises(InvalidConfigError, match=r"has no FSDP2.*pip install -U accelerate.*shard_model") as error:
+        fsdp_plugin(write(tmp_path, FSDP2_YAML), cuda=True)
     assert "\n" not in str(error.value)
 
 
@@ -87,7 +109,8 @@ def test_on_cpu_fsdp_is_refused_before_loading_and_names_shard_model(tmp_path: P
     monkeypatch.setattr(loop, "_load_model", lambda *a, **k: pytest.fail("loaded a model before refusing"))
     config = FinetuneConfig(model=str(tmp_path / "model"), data=[str(tmp_path / "corpus" / "*.txt")],
                             output=str(tmp_path / "run"), accelerate_config=str(write(tmp_path, FSDP2_YAML)))
-    with pytest.raises(InvalidConfigError, match=r"needs CUDA.*shard_model") as error:
+    refusal = r"needs CUDA.*shard_model" if accelerate_has_fsdp2() else r"has no FSDP2.*shard_model"
+    with pytest.raises(InvalidConfigError, match=refusal) as error:
         finetune(config)
     assert "\n" not in str(error.value)
 
@@ -100,6 +123,7 @@ def test_command_line_passes_the_file(tmp_path: Path) -> None:
         FinetuneConfig(model="m", data=["d"], output="o", accelerate_config=" ")
 
 
+@needs_fsdp2
 def test_mixed_precision_leaves_the_casts_to_the_layers(tmp_path: Path) -> None:
     """accelerate's own bf16 policy casts layer inputs by rebuilding dataclasses (the position context among them):
     the plugin's policy casts nothing and each layer casts its own tensor arguments."""
