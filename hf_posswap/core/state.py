@@ -94,6 +94,17 @@ def check_record(record: Any) -> dict[str, Any]:
 
 
 
+#: functions called with a model type each time a model of it is swapped (``hf_posswap.persistence.autoload`` adds
+#: one that registers that family's Auto classes, so ``AutoModel*.from_config(swapped.config)`` works at once)
+FAMILY_USED_HOOKS: list[Any] = []
+
+
+def family_used(model_type: str) -> None:
+    """Tell the hooks in :data:`FAMILY_USED_HOOKS` that a model of ``model_type`` is being swapped."""
+    for hook in FAMILY_USED_HOOKS:
+        hook(model_type)
+
+
 #: class name -> a function that builds it: classes registered lazily (``hf_posswap.persistence.autoload``) that
 #: pickle may look up on this module before anything built them
 LAZY_CLASSES: dict[str, Any] = {}

@@ -39,6 +39,8 @@ from .state import (
     RECORD_VERSION,
     STATE_ATTR,
     SwapState,
+    base_model_type,
+    family_used,
     posswap_config_class,
 )
 
@@ -97,6 +99,7 @@ def swap(
     check_loaded(model)
     register_attention_functions()  # registered on first use: it imports transformers' modeling utilities
     adapter.prepare_checkpoints()
+    family_used(base_model_type(model.config))
     config = resolve_scheme(scheme, options)
     if layers is not None:
         config = mix_on_layers(model, adapter, config, layers)

@@ -189,6 +189,14 @@ def register() -> None:
     register_auto_classes(supported_families())
 
 
+@functools.cache
+def _register_family_once(model_type: str) -> None:
+    """A model of ``model_type`` is being swapped: register its family's classes now (its modeling file is loaded
+    anyway), so ``AutoModel*.from_config(model.config)`` knows the swapped config class."""
+    if model_type in config_mapping():
+        register_auto_classes([model_type])
+
+
 class LazyConfigClass:
     """Stands in ``AutoConfig``'s mapping for ``PosSwap<Config>`` of one family until transformers first reads it
     (a swapped checkpoint's config.json names ``hf_posswap_<family>``): then the family's classes are built and
@@ -222,8 +230,10 @@ def register_config_classes() -> None:
     (no configuration or modeling file is imported; each family's real classes are built when a swapped checkpoint
     of it first loads). The attention functions are registered on first use too (a swap, a swapped checkpoint
     loading); :func:`register` registers everything at once."""
-    from ..core.state import LAZY_CLASSES
+    from ..core.state import FAMILY_USED_HOOKS, LAZY_CLASSES
     from ..core.swap import supported_families
+
+    FAMILY_USED_HOOKS.append(_register_family_once)
 
     for family in supported_families():
         base_name = config_class_name(family)

@@ -57,3 +57,17 @@ def test_a_pickled_config_unpickles_in_a_fresh_process() -> None:
     result = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(config), capture_output=True,
                             check=True)
     assert result.stdout.decode().split() == ["PosSwapGPT2Config", "t5"]
+
+
+def test_a_swapped_config_builds_a_model_through_the_auto_class_at_once() -> None:
+    """No checkpoint is read, so no stand-in resolves: the swap itself registers its family's classes."""
+    script = """
+import hf_posswap as ps
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+config = LlamaConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
+model = ps.swap(LlamaForCausalLM(config), "alibi")
+print(type(AutoModelForCausalLM.from_config(model.config)).__name__, ps.describe(model).scheme)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["PosSwapLlamaForCausalLM", "alibi"]
