@@ -93,8 +93,7 @@ class PositionContext:
     layers: LayerPlan | None = None
     #: set by the attention function that reads the context (:class:`ForwardCheck` raises when no call did)
     reached_attention: bool = False
-    #: this rank's shard of a sequence split across ranks (:mod:`~hf_posswap.core.context_parallel`): attention then
-    #: runs as a ring, and ``query_offset`` is the shard's global start
+    #: this rank's shard under context parallelism (attention runs as a ring; ``query_offset`` is its global start)
     ring: Any = None
 
     def for_layer(self, module: nn.Module) -> PositionContext:
@@ -221,9 +220,7 @@ class PositionHook:
         #: how absolute vectors join the token embeddings: "add", or "concat" (the module then returns the embeddings)
         self.combine = combine
         self.feeds_attention = feeds_attention
-        #: set inside ``context_parallel`` (:class:`~hf_posswap.core.context_parallel.RingGroup`): each forward takes
-        #: one shard of a sequence split across ranks
-        self.ring: Any = None
+        self.ring: Any = None  # inside ``context_parallel``: a RingGroup, each forward one shard of the sequence
 
     def __call__(
         self, base: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]

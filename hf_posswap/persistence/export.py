@@ -24,7 +24,7 @@ REMOTE_FILE = "modeling_posswap.py"
 BUNDLED = (
     "errors", "transformers_internals", "registry", "edits", "schemes/base", "schemes/rope_scaling",
     "schemes/two_pass", "schemes/learned", "schemes/sinusoidal", "schemes/nope", "schemes/rope", "schemes/kept_rows",
-    "schemes/fused_alibi", "schemes/alibi", "schemes/fused_t5", "schemes/t5",
+    "schemes/denormals", "schemes/fused_alibi", "schemes/alibi", "schemes/fused_t5", "schemes/t5",
     "schemes/kerple", "schemes/sandwich", "schemes/fire", "schemes/head_mix", "schemes/mix", "schemes/xpos",
     "schemes/proportional",
     "families/base", "families/gpt2", "families/bert", "families/llama", "families/gemma3",
