@@ -8,6 +8,9 @@ accelerate's FSDP needs CUDA: on a machine without it accelerate silently trains
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,8 @@ from .sharding import PRECISIONS
 #: ``fsdp_config`` keys whose plugin argument is not the key without its ``fsdp_`` prefix (accelerate's launcher
 #: maps them the same way, through its ``FSDP_*`` environment variables)
 RENAMED = {"offload_params": "cpu_offload", "transformer_layer_cls_to_wrap": "transformer_cls_names_to_wrap"}
+#: prefixes of the environment variables accelerate reads and sets (see :func:`accelerate_environment_kept`)
+ACCELERATE_VARIABLES = ("ACCELERATE_", "FSDP_")
 CPU_ADVICE = ("FSDP through accelerate needs CUDA (without it accelerate trains plain data parallel, unsharded); on "
               "CPU shard with hf_posswap.training.sharding.shard_model (FSDP2 over gloo) in your own loop.")
 
@@ -72,6 +77,38 @@ def fsdp_plugin(path: str | Path, cuda: bool, mixed_precision: str = "no") -> An
         plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[mixed_precision],
                                                              reduce_dtype=torch.float32, cast_forward_inputs=False)
     return plugin
+
+
+@contextlib.contextmanager
+def accelerate_environment_kept() -> Iterator[None]:
+    """Undo, when the run ends, the environment variables accelerate sets for the whole process
+    (``Accelerator(fsdp_plugin=...)`` sets ``ACCELERATE_USE_FSDP=true``, which later runs in the same process, and
+    transformers' loading, would read as a request for FSDP). Variables the launcher set are kept as they were."""
+    before = {name: value for name, value in os.environ.items() if name.startswith(ACCELERATE_VARIABLES)}
+    try:
+        yield
+    finally:
+        for name in [name for name in os.environ if name.startswith(ACCELERATE_VARIABLES) and name not in before]:
+            del os.environ[name]
+        os.environ.update(before)
+
+
+def accelerate_can_shard() -> bool:
+    """Whether accelerate shards on this machine at all: its FSDP needs an accelerator (CUDA here)."""
+    return torch.cuda.is_available()
+
+
+def check_sharding(accelerator: Any, path: str | Path) -> None:
+    """Refuse a run whose FSDP plugin accelerate did not take up: a single process started without a launcher
+    (plain ``python`` or ``hf-posswap finetune``) gets ``DistributedType.NO`` and would train unsharded."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        raise InvalidConfigError(
+            f"accelerate config {str(path)!r} asks for FSDP, but this process runs "
+            f"{accelerator.distributed_type.value} (unsharded): start it with `accelerate launch --config_file "
+            f"{path} -m hf_posswap.cli.finetune ...` (or torchrun), also for a single GPU."
+        )
 
 
 def fit_layers_for_fsdp(model: Any, mixed_precision: str) -> None:

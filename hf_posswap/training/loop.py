@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from ..errors import InvalidConfigError
 from ..persistence.quiet import LOSS_TYPE_NOTE, SHARED_TENSOR_NOTE, hidden_logs
 from ..progress import Progress, is_terminal, library_bars
+from .accelerate_config import accelerate_environment_kept
 from .config import FinetuneConfig
 from .data import expand_paths, pack, read_documents, train_eval_split
 from .guards import (
@@ -58,9 +58,6 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
 
     Every check that needs no model runs first (data files, ``--model`` path, objective, ``--output``); then the
     output directory is locked for the run. Errors are :class:`~hf_posswap.errors.PosSwapError` subclasses."""
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
     from ..persistence.autoload import register
 
     register()  # swapped checkpoints' configs are read below (the hf-posswap command registers only when it runs)
@@ -71,6 +68,15 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     objective = resolve_objective(config)
     check_output(config)
     fsdp = _fsdp_plugin(config)
+    with accelerate_environment_kept():
+        return _accelerated(config, fsdp, documents, objective)
+
+
+def _accelerated(config: FinetuneConfig, fsdp, documents: list[str], objective: str) -> dict[str, Any]:
+    """The checked run under its accelerator: output locked, trained, saved."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
     # cpu=True on machines without CUDA makes torchrun-launched processes (`accelerate launch --multi_gpu`,
     # `torchrun`) train data-parallel over gloo instead of each running alone.
     accelerator = Accelerator(
@@ -78,7 +84,14 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         mixed_precision=config.mixed_precision,
         cpu=not torch.cuda.is_available(),
         fsdp_plugin=fsdp,
+        # the schedule counts optimizer steps: _steps steps it once per applied update, in any number of processes
+        # (accelerate's default steps it once per process per update, so N processes ran it N times too fast)
+        step_scheduler_with_optimizer=False,
     )
+    if fsdp is not None:
+        from .accelerate_config import check_sharding
+
+        check_sharding(accelerator, config.accelerate_config)
     set_seed(config.seed)
     output = Path(config.output).expanduser()
     lock = _own_output(output, accelerator, config)
@@ -187,7 +200,8 @@ def _steps(config, accelerator, output: Path, objective: str, parts: dict[str, A
                 if accelerator.sync_gradients:
                     _check_gradients(accelerator, trainable, config, position["step"] + 1, checkpoint)
                 optimizer.step()
-                scheduler.step()
+                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                    scheduler.step()  # once per update (see finetune's Accelerator)
                 optimizer.zero_grad()
             if not accelerator.sync_gradients:
                 continue
@@ -235,16 +249,13 @@ def _check_gradients(accelerator, trainable, config: FinetuneConfig, step: int, 
 
 def _fsdp_plugin(config: FinetuneConfig):
     """accelerate's FSDP plugin from ``config.accelerate_config`` (``None`` without one, or when it asks for no
-    sharding); refused without CUDA and with LoRA (adapters are saved from the whole model)."""
+    sharding); refused where accelerate would not shard (see :mod:`.accelerate_config`)."""
     if config.accelerate_config is None:
         return None
-    from .accelerate_config import fsdp_plugin
+    from . import accelerate_config
 
-    plugin = fsdp_plugin(config.accelerate_config, torch.cuda.is_available(), config.mixed_precision)
-    if plugin is not None and config.lora:
-        raise InvalidConfigError("--lora with an FSDP accelerate config is not supported: train LoRA adapters "
-                                 "data parallel (without --accelerate-config), or the full model sharded.")
-    return plugin
+    return accelerate_config.fsdp_plugin(config.accelerate_config, accelerate_config.accelerate_can_shard(),
+                                         config.mixed_precision)
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:

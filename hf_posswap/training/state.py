@@ -25,9 +25,12 @@ if TYPE_CHECKING:
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
-#: files accelerate's ``save_state`` writes for one process; a checkpoint without them cannot be resumed
-REQUIRED_FILES = ("optimizer.bin", "scheduler.bin", "random_states_0.pkl")
-MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
+#: what accelerate's ``save_state`` writes; a checkpoint without one of each cannot be resumed. Under FSDP model and
+#: optimizer are ``torch.distributed.checkpoint`` folders (``SHARDED_STATE_DICT``, a ``.metadata`` file beside the
+#: shards) or whole files (``FULL_STATE_DICT``), named by accelerate's ``FSDP_MODEL_NAME`` / ``OPTIMIZER_NAME``.
+REQUIRED_FILES = ("scheduler.bin", "random_states_0.pkl")
+MODEL_FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp_0.bin", "pytorch_model_fsdp_0/.metadata")
+OPTIMIZER_FILES = ("optimizer.bin", "optimizer_0.bin", "optimizer_0/.metadata")
 
 
 class TrainingCheckpointError(PosSwapError, ValueError):
@@ -109,8 +112,9 @@ def has_checkpoint_dirs(output: Path) -> bool:
 
 def _check_files(checkpoint: Path) -> None:
     missing = [name for name in REQUIRED_FILES if not _non_empty(checkpoint / name)]
-    if not any(_non_empty(checkpoint / name) for name in MODEL_FILES):
-        missing.append(MODEL_FILES[0])
+    for alternatives in (MODEL_FILES, OPTIMIZER_FILES):
+        if not any(_non_empty(checkpoint / name) for name in alternatives):
+            missing.append(" or ".join(alternatives))
     if missing:
         raise TrainingCheckpointError(f"{checkpoint} lacks {', '.join(missing)}; it cannot be resumed.")
 
@@ -147,7 +151,7 @@ def save_result(accelerator, model, tokenizer, output: Path, config: FinetuneCon
         if config.lora:
             from ..persistence.adapters import save_adapter
 
-            save_adapter(unwrapped, staging)
+            save_adapter(unwrapped, staging, state_dict=whole)
         else:
             unwrapped.save_pretrained(staging, state_dict=whole)
         tokenizer.save_pretrained(staging)
@@ -155,11 +159,21 @@ def save_result(accelerator, model, tokenizer, output: Path, config: FinetuneCon
         if config.merge_lora:
             merged_dir = output / "merged"
             staging = _fresh_staging(merged_dir)
-            copy.deepcopy(unwrapped).merge_and_unload().save_pretrained(staging)
+            _merged(unwrapped, final, sharded=whole is not None).save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             _swap_in(staging, merged_dir)
     accelerator.wait_for_everyone()
     return final
+
+
+def _merged(peft_model, adapter_dir: Path, sharded: bool):
+    """The adapter folded into its base. A sharded model holds only this process's shards, so its merge is built
+    from the adapter just saved, loaded onto its base the way ``hf-posswap eval --model <adapter>`` loads it."""
+    if not sharded:
+        return copy.deepcopy(peft_model).merge_and_unload()
+    from ..persistence.loading import inspect_model_path, load_model
+
+    return load_model(inspect_model_path(adapter_dir), "saved", merge=True)
 
 
 def _sharded(accelerator) -> bool:

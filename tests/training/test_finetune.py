@@ -42,6 +42,20 @@ def run(workspace: Path, family: str, output: Path, **options) -> dict:
     return finetune(config)
 
 
+def one_process_learning_rates(config: FinetuneConfig) -> list[float]:
+    """The learning rate after each of ``config.steps`` updates, from transformers' scheduler stepped once each."""
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=config.lr)
+    scheduler = get_scheduler(config.lr_schedule, optimizer, config.warmup_steps, config.steps)
+    rates = []
+    for _ in range(config.steps):
+        optimizer.step()
+        scheduler.step()
+        rates.append(scheduler.get_last_lr()[0])
+    return rates
+
+
 def losses(output: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (output / "loss_log.jsonl").read_text().splitlines()]
 
@@ -188,6 +202,9 @@ def test_two_processes_train_data_parallel(workspace, tmp_path) -> None:
     assert reported[0]["loss"] == reported[1]["loss"], "processes disagree on the (gathered) loss"
     assert reported[0]["checksum"] == reported[1]["checksum"], "the processes' weights diverged"
     assert len(losses(tmp_path / "out")) == 4, "the loss log is written once, by the main process"
+    # the schedule advances once per update in any number of processes (accelerate's default: once per process)
+    logged = [json.loads(line)["lr"] for line in (tmp_path / "out" / "loss_log.jsonl").read_text().splitlines()]
+    assert logged == one_process_learning_rates(FinetuneConfig(model="m", data=["d"], output="o", steps=4, lr=2e-3))
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["latest", "step-2", "step-4"]
     assert (tmp_path / "out" / "final" / "model.safetensors").exists()
 

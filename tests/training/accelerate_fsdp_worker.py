@@ -1,0 +1,80 @@
+"""One process of ``hf_posswap.training.finetune`` runs sharded by accelerate's own FSDP2 code, launched by
+``accelerate launch --multi_gpu`` (torchrun) on CPU over gloo; ``test_accelerate_fsdp.py`` starts it.
+
+accelerate shards only on accelerators: on CPU it picks plain data parallelism (``DistributedType.MULTI_CPU``) and
+``finetune`` refuses an FSDP config there. This worker, and only this worker, lets accelerate's FSDP2 path run over
+gloo all the same: :func:`let_accelerate_shard_on_cpu` turns the state's MULTI_CPU into FSDP once a plugin is given
+(accelerate's ``prepare``, ``save_state``, ``load_state`` and ``get_state_dict`` then take their FSDP branches, which
+call PyTorch's ``fully_shard`` and distributed checkpoint, both of which run over gloo), and tells ``finetune`` that
+sharding is possible here.
+
+Usage: ``worker.py RUNS.json`` where RUNS.json is a list of ``{"config": {FinetuneConfig fields},
+"stop_after_checkpoint": step or null, "report": path}``, run in order in the same processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def let_accelerate_shard_on_cpu() -> None:
+    import accelerate.state
+    from accelerate.utils import DistributedType
+
+    import hf_posswap.training.accelerate_config as accelerate_config
+
+    original = accelerate.state.AcceleratorState.__init__
+
+    def init(self, *args, fsdp_plugin=None, **kwargs) -> None:
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None:
+            self.fsdp_plugin = fsdp_plugin
+        # every AcceleratorState() call copies the partial state's MULTI_CPU back in: turn it into FSDP each time
+        if getattr(self, "fsdp_plugin", None) is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+
+    accelerate.state.AcceleratorState.__init__ = init
+    accelerate_config.accelerate_can_shard = lambda: True
+
+
+def stop_after_checkpoint(step: int) -> None:
+    """End this process right after the checkpoint of ``step`` is published (as a killed run would)."""
+    import hf_posswap.training.loop as loop
+
+    original = loop._save_checkpoint
+
+    def save_then_stop(accelerator, output, position):
+        path = original(accelerator, output, position)
+        if position["step"] == step:
+            os._exit(0)
+        return path
+
+    loop._save_checkpoint = save_then_stop
+
+
+def main(runs_file: str) -> None:
+    let_accelerate_shard_on_cpu()
+    from accelerate import PartialState
+
+    from hf_posswap.training import FinetuneConfig, finetune
+
+    for run in json.loads(open(runs_file, encoding="utf-8").read()):
+        if run.get("stop_after_checkpoint"):
+            stop_after_checkpoint(run["stop_after_checkpoint"])
+        result = finetune(FinetuneConfig(**run["config"]))
+        state = PartialState()
+        if state.is_main_process:
+            with open(run["report"], "w", encoding="utf-8") as handle:
+                json.dump({**result, "processes": state.num_processes, "sharded": _sharded()}, handle)
+
+
+def _sharded() -> bool:
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    return AcceleratorState().distributed_type == DistributedType.FSDP
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

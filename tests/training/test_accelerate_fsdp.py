@@ -1,0 +1,166 @@
+"""``finetune`` with an FSDP accelerate config runs accelerate's own FSDP2 code (prepare, sharded ``save_state`` /
+``load_state``, the gathered final save) and trains exactly as one process does.
+
+Two launches of 2 gloo processes on CPU (``accelerate_fsdp_worker.py`` explains how accelerate's FSDP path is let run
+on CPU) serve every slow test: the first trains a full LLaMA (grouped-query attention) with T5 tables, a full GPT-2
+with KERPLE and a LoRA LLaMA with KERPLE, and starts a run that stops right after its step-2 checkpoint; the second
+resumes that run in fresh processes. Each is compared with the same run in this one process (the global batch of 4
+rows equals 2 processes x 2 rows, in the same order)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import save_tiny_checkpoint, write_corpus
+from transformers import AutoModelForCausalLM
+
+import hf_posswap as ps
+from hf_posswap.training import FinetuneConfig, finetune
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("accelerate_fsdp_worker.py")
+WORLD, ROWS_PER_PROCESS = 2, 2
+FSDP_FILE = """distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_reshard_after_forward: true
+"""
+#: name -> (family, FinetuneConfig settings); every run takes 4 steps with a checkpoint every 2
+RUNS = {
+    "llama-t5": ("llama", {"scheme": "t5"}),
+    "gpt2-kerple": ("gpt2", {"scheme": "kerple"}),
+    "llama-kerple-lora": ("llama", {"scheme": "kerple", "lora": True, "lora_r": 4, "merge_lora": True}),
+}
+RESUMED = "llama-t5"
+
+
+def _settings(workspace: Path, family: str, output: Path, rows: int, **extra) -> dict:
+    return {"model": str(workspace / family), "data": [str(workspace / "corpus" / "*.txt")], "output": str(output),
+            "seq_len": 48, "batch_size": rows, "steps": 4, "lr": 3e-3, "save_every": 2, "eval_every": 0,
+            "progress": False, **extra}
+
+
+def _launch(runs: list[dict], folder: Path) -> None:
+    runs_file = folder / f"runs-{len(list(folder.glob('runs-*')))}.json"
+    runs_file.write_text(json.dumps(runs))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(WORLD),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(WORKER), str(runs_file)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"})
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every sharded run and its one-process reference: ``<root>/<name>/{sharded,alone}``."""
+    root = tmp_path_factory.mktemp("accelerate_fsdp")
+    for family in ("llama", "gpt2"):
+        save_tiny_checkpoint(family, root / family)
+    (root / "corpus").mkdir()
+    write_corpus(root / "corpus", documents=12)
+    fsdp_file = root / "fsdp.yaml"
+    fsdp_file.write_text(FSDP_FILE)
+    first = [{"config": _settings(root, family, root / name / "sharded", ROWS_PER_PROCESS,
+                                  accelerate_config=str(fsdp_file), **extra),
+              "report": str(root / name / "report.json")} for name, (family, extra) in RUNS.items()]
+    family, extra = RUNS[RESUMED]
+    stopped = _settings(root, family, root / "resumed", ROWS_PER_PROCESS, accelerate_config=str(fsdp_file), **extra)
+    first.append({"config": stopped, "stop_after_checkpoint": 2, "report": str(root / "unused.json")})
+    _launch(first, root)
+    _launch([{"config": {**stopped, "resume": True}, "report": str(root / "resumed-report.json")}], root)
+    for name, (family, extra) in RUNS.items():
+        finetune(FinetuneConfig(**_settings(root, family, root / name / "alone", WORLD * ROWS_PER_PROCESS, **extra)))
+    return root
+
+
+def _losses(output: Path, column: str = "loss") -> list[float]:
+    return [json.loads(line)[column] for line in (output / "loss_log.jsonl").read_text().splitlines()]
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    tokens = torch.arange(3, 43).reshape(2, 20)
+    with torch.no_grad():
+        return model.eval()(input_ids=tokens).logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_sharded_run_trains_as_one_process(trained: Path, name: str) -> None:
+    report = json.loads((trained / name / "report.json").read_text())
+    assert report["sharded"] and report["processes"] == WORLD, "accelerate did not take its FSDP path"
+    sharded, alone = _losses(trained / name / "sharded"), _losses(trained / name / "alone")
+    assert len(sharded) == 4
+    torch.testing.assert_close(torch.tensor(sharded), torch.tensor(alone), rtol=2e-5, atol=0)
+    # the learning-rate schedule advances once per update, not once per process
+    assert _losses(trained / name / "sharded", "lr") == _losses(trained / name / "alone", "lr")
+
+
+@pytest.mark.slow
+def test_checkpoints_hold_accelerates_sharded_files(trained: Path) -> None:
+    step = trained / RESUMED / "sharded" / "checkpoints" / "step-4"
+    assert (step / "pytorch_model_fsdp_0" / ".metadata").is_file()
+    assert (step / "optimizer_0" / ".metadata").is_file()
+    assert not (step / "model.safetensors").exists(), "the model was saved whole, not by FSDP"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama-t5", "gpt2-kerple"])
+def test_consolidated_model_reloads_with_the_logits_of_one_process(trained: Path, name: str) -> None:
+    sharded = AutoModelForCausalLM.from_pretrained(trained / name / "sharded" / "final")
+    alone = AutoModelForCausalLM.from_pretrained(trained / name / "alone" / "final")
+    assert ps.describe(sharded).scheme == RUNS[name][1]["scheme"]
+    torch.testing.assert_close(_logits(sharded), _logits(alone), rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_lora_adapter_under_fsdp_reloads_with_the_logits_of_one_process(trained: Path) -> None:
+    from hf_posswap.persistence.loading import inspect_model_path, load_model
+
+    name = "llama-kerple-lora"
+    sharded = load_model(inspect_model_path(str(trained / name / "sharded" / "adapter")), "causal", merge=True)
+    alone = load_model(inspect_model_path(str(trained / name / "alone" / "adapter")), "causal", merge=True)
+    trained_slopes = [p for n, p in sharded.named_parameters() if "posswap_positions" in n]
+    assert trained_slopes, "the adapter lost the KERPLE parameters"
+    torch.testing.assert_close(_logits(sharded), _logits(alone), rtol=0, atol=1e-4)
+    merged = AutoModelForCausalLM.from_pretrained(trained / name / "sharded" / "merged")
+    torch.testing.assert_close(_logits(merged), _logits(alone), rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_run_stopped_after_a_sharded_checkpoint_resumes_with_the_same_losses(trained: Path) -> None:
+    resumed = json.loads((trained / "resumed-report.json").read_text())
+    assert resumed["steps"] == 4 and resumed["sharded"]
+    uninterrupted = _losses(trained / RESUMED / "sharded")
+    torch.testing.assert_close(torch.tensor(_losses(trained / "resumed")), torch.tensor(uninterrupted),
+                               rtol=1e-6, atol=0)
+    again = AutoModelForCausalLM.from_pretrained(trained / "resumed" / "final")
+    straight = AutoModelForCausalLM.from_pretrained(trained / RESUMED / "sharded" / "final")
+    torch.testing.assert_close(_logits(again), _logits(straight), rtol=0, atol=1e-6)
+
+
+def test_fsdp_config_in_a_process_started_without_a_launcher_is_refused(tmp_path, monkeypatch) -> None:
+    """On a GPU, one process started without ``accelerate launch`` gets no process group and accelerate would train
+    unsharded: refused right after the accelerator is built, before any model loads."""
+    import hf_posswap.training.accelerate_config as accelerate_config
+
+    monkeypatch.setattr(accelerate_config, "accelerate_can_shard", lambda: True)
+    save_tiny_checkpoint("llama", tmp_path / "llama")
+    (tmp_path / "corpus").mkdir()
+    write_corpus(tmp_path / "corpus", documents=2)
+    (tmp_path / "fsdp.yaml").write_text(FSDP_FILE)
+    config = FinetuneConfig(**_settings(tmp_path, "llama", tmp_path / "out", 2, scheme="alibi",
+                                        accelerate_config=str(tmp_path / "fsdp.yaml")))
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    with pytest.raises(ps.InvalidConfigError, match="accelerate launch --config_file"):
+        finetune(config)
+    assert not (tmp_path / "out").exists(), "the refused run wrote to its output"
+    # accelerate set ACCELERATE_USE_FSDP=true for the process: a later run without the config would shard
+    assert "ACCELERATE_USE_FSDP" not in os.environ
