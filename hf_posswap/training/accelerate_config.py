@@ -111,21 +111,48 @@ def check_sharding(accelerator: Any, path: str | Path) -> None:
         )
 
 
-def fit_layers_for_fsdp(model: Any, mixed_precision: str) -> None:
-    """Before accelerate shards ``model``: refuse 0-dim parameters (FIRE's; accelerate's ``fully_shard`` cannot
-    shard them and would leave them unsynchronised if ignored) and, in mixed precision, let each transformer layer
-    cast its own tensor arguments (see :func:`fsdp_plugin`)."""
+def fit_layers_for_fsdp(model: Any, mixed_precision: str, plugin: Any, device: torch.device) -> None:
+    """Before accelerate shards ``model``: keep the modules holding 0-dim parameters (FIRE's) out of the shards
+    (see :func:`replicate_scalar_holders`) and, in mixed precision, let each transformer layer cast its own tensor
+    arguments (see :func:`fsdp_plugin`)."""
     from .sharding import CastInputs, transformer_layers
 
-    scalars = [name for name, param in model.named_parameters() if param.ndim == 0]
-    if scalars:
-        raise InvalidConfigError(
-            f"accelerate's FSDP cannot shard the 0-dim parameters {', '.join(scalars[:3])} (FIRE's); train this model "
-            "with hf_posswap.training.sharding.shard_model, which replicates them, or without --accelerate-config."
-        )
+    replicate_scalar_holders(model, plugin, device)
     if mixed_precision in PRECISIONS:
         for layer in transformer_layers(model):
             layer.register_forward_pre_hook(CastInputs(PRECISIONS[mixed_precision]), with_kwargs=True)
+
+
+def replicate_scalar_holders(model: Any, plugin: Any, device: torch.device) -> None:
+    """``fully_shard`` cannot shard a 0-dim parameter (FIRE's ``c`` and threshold scale), and accelerate ignores
+    whole modules only: the modules holding one join the plugin's ``ignored_modules``, stay whole on ``device`` in
+    every process, and their gradients are averaged over the processes after each backward, as data parallel does
+    (what :func:`~hf_posswap.training.sharding.shard_model` does for the scalars alone)."""
+    import torch.distributed as dist
+
+    holders = [module for module in model.modules() if any(p.ndim == 0 for p in module.parameters(recurse=False))]
+    if not holders:
+        return
+    if isinstance(plugin.ignored_modules, str):
+        raise InvalidConfigError(
+            f"fsdp_ignored_modules {plugin.ignored_modules!r} is a pattern, and this model's FIRE modules must be "
+            "ignored too: drop the setting, or list modules in Python (FullyShardedDataParallelPlugin)."
+        )
+    plugin.ignored_modules = [*(plugin.ignored_modules or ()), *holders]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for module in holders:
+        module.to(device)
+        for param in module.parameters():
+            if param.requires_grad and world > 1:
+                param.register_post_accumulate_grad_hook(_averaged_over_processes)
+
+
+def _averaged_over_processes(param: torch.nn.Parameter) -> None:
+    import torch.distributed as dist
+
+    if param.grad is not None:
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+        param.grad.div_(dist.get_world_size())
 
 
 def accelerate_has_fsdp2() -> bool:

@@ -133,7 +133,7 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
     if getattr(accelerator.state, "fsdp_plugin", None) is not None:  # sharded by accelerate (CUDA only)
         from .accelerate_config import fit_layers_for_fsdp
 
-        fit_layers_for_fsdp(model, config.mixed_precision)
+        fit_layers_for_fsdp(model, config.mixed_precision, accelerator.state.fsdp_plugin, accelerator.device)
 
     token_ids = pack(documents, tokenizer, config.seq_len)
     train_set, eval_set = train_eval_split(token_ids, config.seq_len, config.eval_fraction)

@@ -138,9 +138,28 @@ def test_mixed_precision_leaves_the_casts_to_the_layers(tmp_path: Path) -> None:
     assert (policy.param_dtype, policy.reduce_dtype, policy.cast_forward_inputs) == (torch.bfloat16, torch.float32,
                                                                                      False)
     model = swapped("llama", "t5")
-    fit_layers_for_fsdp(model, "bf16")
+    fit_layers_for_fsdp(model, "bf16", plugin, torch.device("cpu"))
     layers = transformer_layers(model)
     assert len(layers) == 2
     assert all(any(isinstance(hook, CastInputs) for hook in layer._forward_pre_hooks.values()) for layer in layers)
-    with pytest.raises(InvalidConfigError, match="0-dim parameters .*shard_model"):
-        fit_layers_for_fsdp(swapped("llama", "fire"), "no")
+    assert not plugin.ignored_modules, "T5 tables are sharded like any weight"
+
+
+@needs_fsdp2
+def test_fire_modules_are_kept_whole(tmp_path: Path) -> None:
+    """``fully_shard`` cannot shard FIRE's 0-dim parameters: their modules join the plugin's ignored modules (and
+    train replicated: tests/training/test_accelerate_fsdp.py); a pattern there cannot be extended and is refused."""
+    import torch
+    from conftest import swapped
+
+    from hf_posswap.training.accelerate_config import fit_layers_for_fsdp
+
+    plugin = fsdp_plugin(write(tmp_path, FSDP2_YAML), cuda=True)
+    model = swapped("llama", "fire")
+    fit_layers_for_fsdp(model, "no", plugin, torch.device("cpu"))
+    scalars = {id(p) for p in model.parameters() if p.ndim == 0}
+    kept = {id(p) for module in plugin.ignored_modules for p in module.parameters(recurse=False)}
+    assert scalars and scalars <= kept
+    plugin.ignored_modules = "model.layers.0.mlp"
+    with pytest.raises(InvalidConfigError, match="fsdp_ignored_modules 'model.layers.0.mlp' is a pattern"):
+        fit_layers_for_fsdp(swapped("llama", "fire"), "no", plugin, torch.device("cpu"))

@@ -37,6 +37,7 @@ fsdp_config:
 RUNS = {
     "llama-t5": ("llama", {"scheme": "t5"}),
     "gpt2-kerple": ("gpt2", {"scheme": "kerple"}),
+    "llama-fire": ("llama", {"scheme": "fire"}),  # 0-dim parameters: their modules replicated, not sharded
     "llama-kerple-lora": ("llama", {"scheme": "kerple", "lora": True, "lora_r": 4, "merge_lora": True}),
 }
 RESUMED = "llama-t5"
@@ -112,7 +113,7 @@ def test_checkpoints_hold_accelerates_sharded_files(trained: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama-t5", "gpt2-kerple"])
+@pytest.mark.parametrize("name", ["llama-t5", "gpt2-kerple", "llama-fire"])
 def test_consolidated_model_reloads_with_the_logits_of_one_process(trained: Path, name: str) -> None:
     sharded = AutoModelForCausalLM.from_pretrained(trained / name / "sharded" / "final")
     alone = AutoModelForCausalLM.from_pretrained(trained / name / "alone" / "final")
