@@ -305,6 +305,10 @@ def _loss(model, teacher, batch: dict[str, torch.Tensor], objective: str, config
         inputs["position_ids"] = pose_position_ids(batch_size, seq_len, config.pose_target, generator).to(
             inputs["input_ids"].device
         )
+        # Without an attention mask transformers reads position ids that jump as several sequences packed into one
+        # row (masking_utils.find_packed_sequence_indices) and masks attention across each jump; a PoSE row is one
+        # sequence whose positions skip ahead, so it gets an explicit all-ones mask.
+        inputs.setdefault("attention_mask", torch.ones_like(inputs["input_ids"]))
     encoder_distill = teacher is not None and objective == "mlm"
     inputs.update(_no_cache(objective))  # training builds no KV cache (and gradient checkpointing needs none)
     outputs = model(**inputs, output_hidden_states=encoder_distill)

@@ -56,10 +56,12 @@ def stop_after_checkpoint(step: int) -> None:
 def main(runs_file: str) -> None:
     let_accelerate_shard_on_cpu()
     from accelerate import PartialState
+    from accelerate.state import AcceleratorState
 
     from hf_posswap.training import FinetuneConfig, finetune
 
     for run in json.loads(open(runs_file, encoding="utf-8").read()):
+        AcceleratorState._reset_state()  # a launched process runs one finetune; here each run sets its own precision
         if run.get("stop_after_checkpoint"):
             stop_after_checkpoint(run["stop_after_checkpoint"])
         result = finetune(FinetuneConfig(**run["config"]))

@@ -40,6 +40,8 @@ RUNS = {
     "llama-fire": ("llama", {"scheme": "fire"}),  # 0-dim parameters: their modules replicated, not sharded
     "llama-kerple-lora": ("llama", {"scheme": "kerple", "lora": True, "lora_r": 4, "merge_lora": True}),
 }
+#: trained in bf16 (FSDP gathers bf16 parameters and keeps fp32 masters; one process autocasts): close, not equal
+BF16_RUNS = {"llama-alibi-bf16": ("llama", {"scheme": "alibi", "mixed_precision": "bf16"})}
 RESUMED = "llama-t5"
 
 
@@ -71,13 +73,13 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     fsdp_file.write_text(FSDP_FILE)
     first = [{"config": _settings(root, family, root / name / "sharded", ROWS_PER_PROCESS,
                                   accelerate_config=str(fsdp_file), **extra),
-              "report": str(root / name / "report.json")} for name, (family, extra) in RUNS.items()]
+              "report": str(root / name / "report.json")} for name, (family, extra) in {**RUNS, **BF16_RUNS}.items()]
     family, extra = RUNS[RESUMED]
     stopped = _settings(root, family, root / "resumed", ROWS_PER_PROCESS, accelerate_config=str(fsdp_file), **extra)
     first.append({"config": stopped, "stop_after_checkpoint": 2, "report": str(root / "unused.json")})
     _launch(first, root)
     _launch([{"config": {**stopped, "resume": True}, "report": str(root / "resumed-report.json")}], root)
-    for name, (family, extra) in RUNS.items():
+    for name, (family, extra) in {**RUNS, **BF16_RUNS}.items():
         finetune(FinetuneConfig(**_settings(root, family, root / name / "alone", WORLD * ROWS_PER_PROCESS, **extra)))
     return root
 
@@ -102,6 +104,17 @@ def test_sharded_run_trains_as_one_process(trained: Path, name: str) -> None:
     torch.testing.assert_close(torch.tensor(sharded), torch.tensor(alone), rtol=2e-5, atol=0)
     # the learning-rate schedule advances once per update, not once per process
     assert _losses(trained / name / "sharded", "lr") == _losses(trained / name / "alone", "lr")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BF16_RUNS))
+def test_sharded_bf16_run_trains_close_to_one_process(trained: Path, name: str) -> None:
+    report = json.loads((trained / name / "report.json").read_text())
+    assert report["sharded"], "accelerate did not take its FSDP path"
+    sharded, alone = _losses(trained / name / "sharded"), _losses(trained / name / "alone")
+    torch.testing.assert_close(torch.tensor(sharded), torch.tensor(alone), rtol=2e-2, atol=0)
+    reloaded = AutoModelForCausalLM.from_pretrained(trained / name / "sharded" / "final")
+    assert ps.describe(reloaded).scheme == "alibi" and torch.isfinite(_logits(reloaded)).all()
 
 
 @pytest.mark.slow

@@ -243,6 +243,27 @@ def test_pose_position_ids_span_the_target() -> None:
     assert (ids[:, 0] == 0).all()
 
 
+@pytest.mark.parametrize("scheme", ["native", "alibi", "t5", "xpos"])
+def test_pose_rows_are_one_sequence_whose_positions_skip(scheme: str) -> None:
+    """A PoSE row jumps in position once. transformers itself computes such a row as one sequence when it builds a KV
+    cache (its packed-sequence detection runs only without a mask and without a cache): the training loss must be
+    that one. Without a mask, training would mask attention across the jump (two sequences)."""
+    from conftest import make_model, swapped
+
+    from hf_posswap.training.loop import _loss
+
+    torch.manual_seed(0)
+    model = (make_model("llama") if scheme == "native" else swapped("llama", scheme)).train()
+    tokens = torch.randint(3, 90, (2, 32))
+    config = FinetuneConfig(model="m", data=["d"], output="o", seq_len=32, pose_target=512)
+    loss = _loss(model, None, {"input_ids": tokens, "labels": tokens}, "causal", config,
+                 torch.Generator().manual_seed(3))
+    positions = pose_position_ids(2, 32, 512, torch.Generator().manual_seed(3))
+    assert (positions.diff(dim=1) > 1).any(), "the drawn rows have no jump to test"
+    one_sequence = model(input_ids=tokens, labels=tokens, position_ids=positions, use_cache=True).loss
+    torch.testing.assert_close(loss, one_sequence, rtol=1e-5, atol=1e-6)
+
+
 def test_finetune_config_errors() -> None:
     with pytest.raises(ps.InvalidConfigError, match=r"FinetuneConfig.steps must be a positive integer, got 0"):
         FinetuneConfig(model="m", data=["d"], output="o", steps=0)
