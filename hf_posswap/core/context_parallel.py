@@ -183,6 +183,7 @@ def context_parallel(model: nn.Module, group: Any = None) -> Iterator[nn.Module]
             "transformers (RoPE on a LLaMA-like model), whose sdpa attention "
             "torch.distributed.tensor.experimental.context_parallel shards directly."
         )
+    _refuse_attention_left_to_transformers(hooks)
     ring = RingGroup(group)
     for hook in hooks:
         hook.ring = ring
@@ -191,6 +192,19 @@ def context_parallel(model: nn.Module, group: Any = None) -> Iterator[nn.Module]
     finally:
         for hook in hooks:
             hook.ring = None
+
+
+def _refuse_attention_left_to_transformers(hooks: list[PositionHook]) -> None:
+    """A scheme with nothing inside attention (absolute vectors, NoPE) leaves attention to transformers' own
+    implementation, which no ring replaces: each rank would attend within its own shard only."""
+    for hook in hooks:
+        if not hook.feeds_attention:
+            raise InvalidConfigError(
+                f"context_parallel runs attention as a ring through hf_posswap's attention function, and this model's "
+                f"scheme (kind '{hook.kind}') leaves attention to transformers' own, so each rank would attend within "
+                "its own shard only. Use torch.distributed.tensor.experimental.context_parallel for its sdpa attention "
+                "(pass every rank the position_ids of its shard), or swap a scheme that works inside attention."
+            )
 
 
 def _position_hooks(model: nn.Module) -> list[PositionHook]:

@@ -289,6 +289,14 @@ def test_a_model_without_a_position_hook_is_refused() -> None:
             pass
 
 
+@pytest.mark.parametrize("scheme", ["sinusoidal", "none"])
+def test_a_scheme_with_nothing_in_attention_is_refused(scheme: str) -> None:
+    """transformers' own attention would attend within each rank's shard only (seen: rank 1's logits off by 0.6)."""
+    with pytest.raises(ps.InvalidConfigError, match=f"kind '{'absolute' if scheme == 'sinusoidal' else 'none'}'"):
+        with ps.context_parallel(swapped("gpt2", scheme), group=object()):
+            pass
+
+
 def test_a_kv_cache_is_refused() -> None:
     with pytest.raises(ps.InvalidConfigError, match="use_cache=False"):
         RingGroup(group=object()).prepare({"input_ids": torch.zeros(1, 4, dtype=torch.long), "use_cache": True}, None)
