@@ -261,6 +261,9 @@ FAST_SUBSET = {
     "test_call_paths.py::test_swap_and_unswap_through_a_peft_wrapper": {"gpt2"},
     "test_call_paths.py::test_peft_wrapped_model_runs_the_scheme_on_every_path": {"t5"},
     "test_call_paths.py::test_self_extend_with_explicit_position_ids": {"llama"},
+    "test_context_parallel.py::test_the_ring_uses_given_position_ids_as_one_process_does": {
+        "alibi-causal-3", "alibi-bidirectional-5", "t5-causal-2", "t5-bidirectional-3", "xpos-causal-5",
+        "xpos-bidirectional-2", "self-extend-causal-3", "self-extend-bidirectional-2"},
     "test_identity.py::test_unswap_restores_exactly": DIAGONAL | NEW_FAMILIES,
     "test_bias_schemes.py::test_attention_weights_are_the_peers_bias": {  # the families it had; new ones in CI
         f"{f}-{s}" for f in ("gpt2", "bert", "llama") for s in ("kerple", "sandwich", "fire")},

@@ -256,7 +256,8 @@ class PositionHook:
                 self.layer_shared,
                 self.self_extend,
             )
-            context.row_positions = _explicit_positions(kwargs, query_offset, cache)
+            # under context parallelism the shard carries the whole sequence's position ids (RingShard.explicit)
+            context.row_positions = None if shard is not None else _explicit_positions(kwargs, query_offset, cache)
             context.cache = cache
             context.layers = self.layers
             context.ring = shard

@@ -6,11 +6,15 @@ position scheme applied from global positions.
 ...     logits = model(input_ids=my_shard, attention_mask=my_mask_shard).logits  # rank r holds tokens of shard r
 
 Rank r passes its shard (ranks in order hold consecutive pieces of the sequence; shards may differ in length). The
-position hook gives the shard its global positions (offset = the lengths of the shards before it), and every
-self-attention call runs :func:`ring_attention`: each rank keeps its queries, keys/values travel around the ring,
-each (query shard, key shard) pair is attended with the scheme from global positions (:mod:`.ring_math`), blocks
-wholly in a causal future are skipped, and the partial outputs merge by log-sum-exp. The sum over ranks of each
-rank's loss equals the single-process loss, and its gradients too (all-reduce them as data parallelism does).
+position hook gives the shard its global positions: the ``position_ids`` of its shard when the ranks pass them (the
+slice of the whole sequence's position ids, e.g. PoSE's gapped ones; every rank or none), else offset (the lengths of
+the shards before it) + index. Every self-attention call runs :func:`ring_attention`: each rank keeps its queries,
+keys/values travel around the ring, each (query shard, key shard) pair is attended with the scheme from the global
+positions of both (:mod:`.ring_math`; a key shard's positions are gathered with the shard lengths, once per forward),
+and the partial outputs merge by log-sum-exp. Causality goes by token order (global index), never by position value:
+blocks wholly in a causal future are skipped, and the causal mask inside a block compares indices. The sum over
+ranks of each rank's loss equals the single-process loss, and its gradients too (all-reduce them as data parallelism
+does).
 
 Why a ring of its own: ``torch.distributed.tensor.experimental.context_parallel`` shards
 ``scaled_dot_product_attention`` itself, for calls with no mask beyond ``is_causal`` and no additive bias; a bias
@@ -37,14 +41,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import InvalidConfigError
-from ..schemes.rope import apply_rotary
 from ..schemes.two_pass import TwoPassSettings
 from .context import PositionContext, PositionForward, PositionHook
 from .paths import note_path
 from .ring_function import RingAttention, RingPlan, fused_applies
 from .ring_math import KeyBlock, QueryBlock
-from .rotary_cache import angles, rotate
-from .self_extend import CHUNK_ELEMENTS, chunk_size, far_positions
+from .ring_positions import key_block_positions, local_blocks, row_end
+from .self_extend import CHUNK_ELEMENTS, chunk_size
 
 #: the paths :mod:`hf_posswap.core.paths` records for a ring attention call: blocks as matmuls, or through the CPU
 #: flash kernel (:func:`~hf_posswap.core.ring_function.fused_applies`)
@@ -67,6 +70,11 @@ class RingShard:
     valid: torch.Tensor | None
     #: padding-aware positions of the whole sequence, [B, total] (None: no padding)
     padded: torch.Tensor | None
+    #: the position ids the ranks passed, of the whole sequence, [B, total] (None: none passed)
+    explicit: torch.Tensor | None = None
+    #: position ids that step by other than 1 with no attention_mask on any rank: a causal transformers model reads
+    #: them as packed sequences (:func:`_refuse_packed`)
+    packed: bool = False
 
     @property
     def total(self) -> int:
@@ -105,18 +113,57 @@ class RingGroup:
         reference = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         batch, length = reference.shape[:2]
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        lengths = _all_gather_object(length, world, self.group)
+        mask = _local_mask(kwargs.get("attention_mask"))
+        position_ids = _local_position_ids(kwargs.get("position_ids"), batch, length)
+        gathered = _all_gather_object((length, mask, position_ids), world, self.group)  # one collective a forward
+        lengths = [item[0] for item in gathered]
         starts = tuple(sum(lengths[:r]) for r in range(world))
         valid = padded = None
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor):
-            if mask.dim() != 2:
-                raise InvalidConfigError("context_parallel takes a 2-D attention_mask [batch, shard length].")
-            pieces = _all_gather_object(mask.detach().cpu(), world, self.group)
-            whole = torch.cat(pieces, dim=1).to(reference.device).bool()  # [B, total]
+        if any(item[1] is not None for item in gathered):  # a rank without a mask: all its tokens are real
+            pieces = [item[1] if item[1] is not None else torch.ones(batch, item[0], dtype=torch.bool)
+                      for item in gathered]
+            whole = torch.cat(pieces, dim=1).to(reference.device)  # [B, total]
             if not bool(whole.all()):
                 valid, padded = whole, (whole.long().cumsum(-1) - 1).clamp(min=0)
-        return RingShard(self.group, rank, world, starts, tuple(lengths), valid, padded)
+        explicit = _whole_position_ids([item[2] for item in gathered], reference.device)
+        masked = any(item[1] is not None for item in gathered)
+        packed = explicit is not None and not masked and bool((explicit.diff(dim=-1) != 1).any())
+        return RingShard(self.group, rank, world, starts, tuple(lengths), valid, padded, explicit, packed)
+
+
+def _local_mask(mask: Any) -> torch.Tensor | None:
+    """This rank's 2-D padding mask as bool on the CPU (for the gather), or None."""
+    if not isinstance(mask, torch.Tensor):
+        return None
+    if mask.dim() != 2:
+        raise InvalidConfigError("context_parallel takes a 2-D attention_mask [batch, shard length].")
+    return mask.detach().cpu().bool()
+
+
+def _local_position_ids(position_ids: Any, batch: int, length: int) -> torch.Tensor | None:
+    """This rank's position ids [B, shard length] on the CPU (for the gather), or None."""
+    if position_ids is None:
+        return None
+    if position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch):
+        raise InvalidConfigError(
+            f"position_ids has {position_ids.shape[0]} rows for a batch of {batch}: pass [{batch}, {length}] or "
+            f"[1, {length}] (this shard's slice of the whole sequence's position ids)."
+        )
+    return position_ids.detach().expand(batch, length).cpu()
+
+
+def _whole_position_ids(pieces: list[torch.Tensor | None], device: torch.device) -> torch.Tensor | None:
+    """The whole sequence's position ids [B, total] from every rank's shard of them; None when no rank passed any."""
+    missing = [rank for rank, piece in enumerate(pieces) if piece is None]
+    if len(missing) == len(pieces):
+        return None
+    if missing:
+        given = [rank for rank, piece in enumerate(pieces) if piece is not None]
+        raise InvalidConfigError(
+            f"position_ids were passed on ranks {given} but not on ranks {missing} of the context-parallel group: "
+            "pass every rank the position_ids of its own shard (its slice of the whole sequence's), or none."
+        )
+    return torch.cat(pieces, dim=1).to(device)  # [B, total]
 
 
 def _all_gather_object(item: Any, world: int, group: Any) -> list[Any]:
@@ -136,6 +183,7 @@ def context_parallel(model: nn.Module, group: Any = None) -> Iterator[nn.Module]
             "transformers (RoPE on a LLaMA-like model), whose sdpa attention "
             "torch.distributed.tensor.experimental.context_parallel shards directly."
         )
+    _refuse_attention_left_to_transformers(hooks)
     ring = RingGroup(group)
     for hook in hooks:
         hook.ring = ring
@@ -144,6 +192,19 @@ def context_parallel(model: nn.Module, group: Any = None) -> Iterator[nn.Module]
     finally:
         for hook in hooks:
             hook.ring = None
+
+
+def _refuse_attention_left_to_transformers(hooks: list[PositionHook]) -> None:
+    """A scheme with nothing inside attention (absolute vectors, NoPE) leaves attention to transformers' own
+    implementation, which no ring replaces: each rank would attend within its own shard only."""
+    for hook in hooks:
+        if not hook.feeds_attention:
+            raise InvalidConfigError(
+                f"context_parallel runs attention as a ring through hf_posswap's attention function, and this model's "
+                f"scheme (kind '{hook.kind}') leaves attention to transformers' own, so each rank would attend within "
+                "its own shard only. Use torch.distributed.tensor.experimental.context_parallel for its sdpa attention "
+                "(pass every rank the position_ids of its shard), or swap a scheme that works inside attention."
+            )
 
 
 def _position_hooks(model: nn.Module) -> list[PositionHook]:
@@ -177,20 +238,40 @@ def ring_attention(
         )
     if dropout > 0 and module.training:
         raise InvalidConfigError("context_parallel runs attention without dropout: set the attention dropout to 0.")
+    queries, own, plan = ring_plan(module, query, key, value, context, shard, scaling)
+    note_path(RING_FUSED if plan.fused else RING)
+    output = RingAttention.apply(queries.queries, queries.far_queries, _pack(own), plan, *plan.bias_parameters)
+    return output.to(query.dtype).transpose(1, 2).contiguous()  # [B, H, q, Dv] -> [B, q, H, Dv]
+
+
+def ring_plan(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    context: PositionContext,
+    shard: RingShard,
+    scaling: float | None,
+) -> tuple[QueryBlock, KeyBlock, RingPlan]:
+    """This rank's query block, its own key block (before it travels) and the plan of the ring, for q [B, H, q, D]
+    and k, v [B, Hkv, q, D] of its shard (no communication)."""
     causal = bool(getattr(module, "is_causal", True))
-    queries, own = _local_blocks(query, key, value, context, shard)
+    _refuse_packed(shard, causal)
+    if context.self_extend is not None and shard.total <= TwoPassSettings(*context.self_extend).start:
+        context = dataclasses.replace(context, self_extend=None)  # too short to group: plain, as in one process
+    queries, own = local_blocks(query, key, value, context, shard)
     settings = TwoPassSettings(*context.self_extend) if context.self_extend is not None else None
     scheme = _bias_scheme(context)
     parameters = tuple(p for p in scheme.parameters() if p.requires_grad) if scheme is not None else ()
     plan = RingPlan(
         shard=shard,
-        block_positions=lambda rank: _key_block_positions(context, shard, rank, query.device),
+        block_positions=lambda rank: key_block_positions(context, shard, rank, query.device),
         bias_of=lambda rows, block: _block_bias(module, scheme, rows, block, causal),
         bias_parameters=parameters,
         scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
         settings=settings,
         causal=causal,
-        row_end=_row_end(shard, query.device) if settings is not None and not causal else None,
+        row_end=row_end(shard, query.device) if settings is not None and not causal else None,
         key_dim=key.shape[-1],
         chunk=chunk_size(query.shape[0], query.shape[1], max(shard.lengths), CHUNK_ELEMENTS),
         index=queries.index,
@@ -198,76 +279,20 @@ def ring_attention(
         has_bias=scheme is not None,
         fused=fused_applies(query, settings, parameters),
     )
-    note_path(RING_FUSED if plan.fused else RING)
-    output = RingAttention.apply(queries.queries, queries.far_queries, _pack(own), plan, *plan.bias_parameters)
-    return output.to(query.dtype).transpose(1, 2).contiguous()  # [B, H, q, Dv] -> [B, q, H, Dv]
+    return queries, own, plan
 
 
-def _key_block_positions(context: PositionContext, shard: RingShard, rank: int, device: torch.device) -> tuple:
-    """(index positions [n], scheme positions [n] or [B, n], real-token mask [B, n] or None) of ``rank``'s shard."""
-    index = shard.index(rank, device)
-    positions = shard.piece(shard.padded, rank) if _uses_padded(context, shard) else index
-    return index, positions, shard.piece(shard.valid, rank)
-
-
-def _uses_padded(context: PositionContext, shard: RingShard) -> bool:
-    """Self-Extend and the query temperature count positions without padding (as the single-process paths do)."""
-    return shard.padded is not None and (context.self_extend is not None or context.kind == "temperature")
-
-
-def _row_end(shard: RingShard, device: torch.device) -> torch.Tensor:
-    """Each row's last scheme position [1 or B] (Self-Extend's bidirectional rule)."""
-    if shard.padded is not None:
-        return shard.padded.amax(-1)
-    return torch.tensor([shard.total - 1], device=device)
-
-
-def _local_blocks(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: PositionContext, shard: RingShard
-) -> tuple[QueryBlock, KeyBlock]:
-    """This rank's queries and keys with the scheme's per-token part applied (rotations, temperature) from global
-    positions."""
-    device = query.device
-    index, positions, valid = _key_block_positions(context, shard, shard.rank, device)
-    far_query = far_key = None
-    kind = context.kind
-    if context.self_extend is not None:
-        settings = TwoPassSettings(*context.self_extend)
-        rotary = context.positions
-        shift = settings.window - far_positions(settings.window, settings)
-        far_query = _apply(query, rotary(far_positions(positions, settings) + shift))
-        far_key = _apply(key, rotary(far_positions(positions, settings)))
-        query, key = _apply(query, rotary(positions)), _apply(key, rotary(positions))
-    elif kind == "rotary":
-        query, key = _rotate_global(query, key, context, shard)
-    elif kind == "head_mix":
-        scheme = context.positions
-        rotary = dataclasses.replace(context, positions=scheme.rotary, kind="rotary")
-        rotated_query, rotated_key = _rotate_global(query, key, rotary, shard)
-        heads, kv_heads = scheme.rotary_heads(device)  # [H], [Hkv]
-        query = torch.where(heads[:, None, None], rotated_query, query)
-        key = torch.where(kv_heads[:, None, None], rotated_key, key)
-    elif kind == "temperature":
-        scales = context.positions(positions)  # [q] or [B, q]
-        scales = scales[None, None, :, None] if scales.dim() == 1 else scales[:, None, :, None]
-        query = (query * scales).to(query.dtype)
-    return QueryBlock(query, far_query, index, positions), KeyBlock(key, far_key, value, index, positions, valid)
-
-
-def _apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return apply_rotary(x, *cos_sin)
-
-
-def _rotate_global(
-    query: torch.Tensor, key: torch.Tensor, context: PositionContext, shard: RingShard
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k of this shard rotated by global positions, with the whole sequence's length (length-dependent
-    scalings) and its centre as xPos's reference, as one process holding the sequence rotates them."""
-    start, length, total = shard.starts[shard.rank], query.shape[2], shard.total
-    reference = total // 2
-    cos, sin = angles(context, start, length, total, query.device, reference)
-    rotated_query = rotate(query, cos, sin, context)
-    return rotated_query, rotate(key, *angles(context, start, length, total, key.device, reference, True), context)
+def _refuse_packed(shard: RingShard, causal: bool) -> None:
+    """Causal transformers models given position ids that step by other than 1 and no attention_mask read them as
+    packed sequences (``masking_utils.find_packed_sequence_indices``: a new sequence at each step, attended alone);
+    the ring attends across such steps, so it refuses rather than differ from one process."""
+    if causal and shard.packed:
+        raise InvalidConfigError(
+            "context_parallel got position_ids with gaps or restarts and no attention_mask: one process would read "
+            "them as packed sequences (a new sequence at each gap, attending only within itself), which the ring "
+            "does not do. For one sequence with gapped positions (PoSE), pass attention_mask (all ones) with them; "
+            "for packed sequences, run one sequence per row."
+        )
 
 
 def _bias_scheme(context: PositionContext) -> nn.Module | None:
@@ -282,10 +307,11 @@ def _bias_scheme(context: PositionContext) -> nn.Module | None:
 def _block_bias(
     module: nn.Module, scheme: nn.Module | None, queries: QueryBlock, block: KeyBlock, causal: bool
 ) -> torch.Tensor | None:
-    """The scheme's bias [1, H, q, n] for the block's global index positions (None without a bias scheme)."""
+    """The scheme's bias [1 or B, H, q, n] from the queries' and the block's global positions (given position ids, or
+    the index; None without a bias scheme)."""
     if scheme is None:
         return None
-    return scheme(queries.index, block.index, getattr(module, "layer_idx", 0) or 0, causal, None)
+    return scheme(queries.positions, block.positions, getattr(module, "layer_idx", 0) or 0, causal, None)
 
 
 def _pack(block: KeyBlock) -> torch.Tensor:

@@ -9,10 +9,11 @@ the log-sum-exp of its logits, and the partials merge exactly:
 Attention with Blockwise Transformers", arXiv:2310.01889). The same merge joins the two passes of the fused
 Self-Extend path (:mod:`hf_posswap.core.two_pass_fused`) and the fused T5 path.
 
-The logits of one block carry the position scheme from GLOBAL positions: rotary schemes rotate by them (done once per
-shard, before the keys travel), bias schemes add ``BiasPositions.forward(query_pos, key_pos, ...)`` of the block's
-positions, Self-Extend picks the neighbour or grouped logit by the global distance, and causality compares global
-positions.
+The logits of one block carry the position scheme from GLOBAL positions (the position ids the ranks passed, else the
+global index; :mod:`.ring_positions`): rotary schemes rotate by them (done once per shard, before the keys travel),
+bias schemes add ``BiasPositions.forward(query_pos, key_pos, ...)`` of the block's positions, Self-Extend picks the
+neighbour or grouped logit by the distance of those positions, and causality compares global indices (token order,
+never position values).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from ..schemes.two_pass import TwoPassSettings
 class KeyBlock:
     """One shard's keys as they travel the ring: keys rotated by exact positions, keys rotated by grouped positions
     (Self-Extend only), values, each [B, Hkv, n, D]; the shard's global index positions [n], its positions for the
-    scheme ([n] or per row [B, n] in a padded Self-Extend batch) and which keys are real tokens ([B, n] or None)."""
+    scheme ([n], or per row [B, n]: given position ids, or a padded Self-Extend batch) and which keys are real tokens
+    ([B, n] or None)."""
 
     keys: torch.Tensor
     far_keys: torch.Tensor | None

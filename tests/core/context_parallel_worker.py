@@ -3,6 +3,12 @@
 Every rank builds the same tiny swapped model, runs the whole sequence in one process (the reference), then its own
 shard under ``hf_posswap.context_parallel``; it compares its shard's logits with the reference's and the all-reduced
 gradients (position parameters and one weight matrix) with the reference's, and prints one JSON line per case.
+
+A case [name, padded, "gapped"] passes PoSE-like position ids (each row 0..k, then a jump): every rank its shard's
+slice of them, the reference the whole, with an attention_mask (all ones when unpadded, as training batches carry
+one: without it a causal transformers model reads the jump as the start of a packed sequence). One process ignores
+position ids in a padded batch (it uses index distances), so with padding the reference runs each row's real tokens
+alone, with their position ids.
 """
 
 from __future__ import annotations
@@ -87,18 +93,48 @@ def inputs(family: str, padded: bool) -> tuple[torch.Tensor, torch.Tensor | None
     return ids, mask
 
 
-def run_case(name: str, padded: bool, rank: int, world: int) -> dict[str, Any]:
+def gapped_positions(mask: torch.Tensor | None) -> torch.Tensor:
+    """PoSE-like position ids [2, LENGTH]: each row's real tokens at 0..k, then a jump (k and the jump differ per row),
+    padding at 1 (as ``generate`` puts it); the largest stays below the test models' position tables."""
+    real = torch.ones(2, LENGTH, dtype=torch.long) if mask is None else mask.long()
+    count = real.cumsum(-1) - 1  # [2, LENGTH]: the real tokens' order
+    jump = torch.where(count >= torch.tensor([[9], [23]]), torch.tensor([[17], [21]]), 0)
+    return torch.where(real.bool(), count + jump, 1)
+
+
+def reference_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None,
+                     positions: torch.Tensor | None, weights: torch.Tensor) -> torch.Tensor:
+    """One process's logits [2, LENGTH, V], with its loss's backward run: the whole batch, or each row's real tokens
+    alone when position ids meet padding."""
+    if positions is None or mask is None or bool(mask.all()):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        keep = torch.ones(2, LENGTH, 1) if mask is None else mask[..., None].float()
+        (logits * weights * keep).sum().backward()
+        return logits
+    logits = torch.zeros(2, LENGTH, model.config.vocab_size)
+    for row in range(2):
+        real = mask[row].bool()
+        alone = model(input_ids=ids[row : row + 1, real], attention_mask=mask[row : row + 1, real],
+                      position_ids=positions[row : row + 1, real], use_cache=False).logits  # [1, n, V]
+        (alone * weights[row : row + 1, real]).sum().backward()
+        logits[row, real] = alone[0].detach()
+    return logits
+
+
+def run_case(name: str, padded: bool, rank: int, world: int, gapped: bool = False) -> dict[str, Any]:
     family = name.split("-")[0]
     model = CASES[name]()
     if not model.training or "checkpointed" not in name:
         model.eval()
     ids, mask = inputs(family, padded)
+    if gapped and mask is None:
+        mask = torch.ones(2, LENGTH, dtype=torch.long)
+    positions = gapped_positions(mask) if gapped else None
     weights = torch.randn(2, LENGTH, model.config.vocab_size, generator=torch.Generator().manual_seed(2))
     keep = torch.ones(2, LENGTH, 1) if mask is None else mask[..., None].float()  # loss over real tokens only
     checked = _checked_parameters(model)
 
-    reference = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    (reference * weights * keep).sum().backward()
+    reference = reference_logits(model, ids, mask, positions, weights)
     expected = [p.grad.clone() for p in checked]
     model.zero_grad()
 
@@ -106,7 +142,7 @@ def run_case(name: str, padded: bool, rank: int, world: int) -> dict[str, Any]:
     start, end = bounds[rank], bounds[rank + 1]
     with ps.context_parallel(model), record_paths() as paths:
         local = model(input_ids=ids[:, start:end], attention_mask=None if mask is None else mask[:, start:end],
-                      use_cache=False).logits
+                      position_ids=None if positions is None else positions[:, start:end], use_cache=False).logits
     (local * weights[:, start:end] * keep[:, start:end]).sum().backward()
     logits_error = ((local - reference[:, start:end]) * keep[:, start:end]).abs().max().item()
     grad_errors = []
@@ -115,8 +151,8 @@ def run_case(name: str, padded: bool, rank: int, world: int) -> dict[str, Any]:
         dist.all_reduce(grad)
         # relative to the largest entry, absolute below 1 (a constant bias per head has a zero gradient: noise)
         grad_errors.append(((grad - want).abs().max() / want.abs().max().clamp(min=1.0)).item())
-    return {"case": name, "padded": padded, "rank": rank, "logits": logits_error, "grads": grad_errors,
-            "paths": sorted(set(paths)), "position_parameters": len(checked) - 1}
+    return {"case": name, "padded": padded, "gapped": gapped, "rank": rank, "logits": logits_error,
+            "grads": grad_errors, "paths": sorted(set(paths)), "position_parameters": len(checked) - 1}
 
 
 def _checked_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -141,8 +177,8 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        for name, padded in cases:
-            print(json.dumps(run_case(name, padded, rank, world)), flush=True)
+        for name, padded, *gapped in cases:
+            print(json.dumps(run_case(name, padded, rank, world, gapped == ["gapped"])), flush=True)
     finally:
         dist.destroy_process_group()
 

@@ -2,8 +2,9 @@
 gradients of one process.
 
 Fast: the ring's algebra in one process (a sequence cut into shards, each query shard attending to every key shard,
-merged by log-sum-exp) against the dense single-call attention, for a bias scheme, RoPE and Self-Extend; and the
-refusals. Slow: 2 and 3 gloo processes (tests/core/context_parallel_worker.py) running tiny swapped models.
+merged by log-sum-exp) against the dense single-call attention, for a bias scheme, RoPE and Self-Extend, with index
+positions and with given position ids; and the refusals. Slow: 2 and 3 gloo processes
+(tests/core/context_parallel_worker.py) running tiny swapped models.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import torch
 from conftest import make_model, swapped
 
 import hf_posswap as ps
-from hf_posswap.core import context_parallel
+from hf_posswap.core import context_parallel, ring_function
 from hf_posswap.core.attention import eager_attention, scheme_inputs
 from hf_posswap.core.context import PositionContext
-from hf_posswap.core.context_parallel import RingGroup, ring_attention
+from hf_posswap.core.context_parallel import RingGroup, RingShard, ring_attention, ring_plan
 from hf_posswap.core.paths import record_paths
 from hf_posswap.core.ring_math import KeyBlock, QueryBlock, block_logits, block_mask, block_partial, merge_partials
 from hf_posswap.core.self_extend import chunked_self_extend, far_positions
@@ -170,9 +171,129 @@ def test_one_rank_in_query_chunks_equals_the_dense_paths_with_gradients(
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def given_positions() -> torch.Tensor:
+    """Position ids [2, LENGTH]: row 0 PoSE-like (0..6, then a jump of 30), row 1 out of token order (so causality by
+    position value would differ from causality by index), its first 4 tokens (padding in the tests) at 0."""
+    positions = torch.arange(LENGTH).repeat(2, 1)
+    positions[0, 7:] += 30
+    positions[1] = torch.randperm(LENGTH, generator=torch.Generator().manual_seed(5)) * 2
+    positions[1, :4] = 0
+    return positions
+
+
+def ring_of_parts(attention: torch.nn.Module, inputs: tuple, make_context, world: int, explicit: torch.Tensor | None,
+                  valid: torch.Tensor) -> torch.Tensor:
+    """Every rank's output [B, L, H, D] from the ring's own pieces in one process: each rank's plan
+    (:func:`ring_plan`), each key block as its owner packs it and the receiving rank unpacks it (positions and all),
+    the block forward of the plan's path, merged by log-sum-exp."""
+    query, key, value = inputs
+    bounds = shards(world)
+    starts, lengths = tuple(b.start for b in bounds), tuple(b.stop - b.start for b in bounds)
+    padded = (valid.long().cumsum(-1) - 1).clamp(min=0)
+
+    def plan_of(rank: int) -> tuple:
+        shard = RingShard(None, rank, world, starts, lengths, valid, padded, explicit)
+        rows = bounds[rank]
+        return ring_plan(attention, query[:, :, rows], key[:, :, rows], value[:, :, rows], make_context(), shard, SCALE)
+
+    outputs = []
+    for rank in range(world):
+        queries, _, plan = plan_of(rank)
+        partials = []
+        for source in range(world):
+            if plan.causal and source > rank:  # wholly in the future (by token order): skipped, as the ring does
+                continue
+            block = ring_function._unpack(context_parallel._pack(plan_of(source)[1]), plan, source)
+            forward = ring_function._fused_forward_block if plan.fused else ring_function._forward_block
+            partials.append(forward(queries, block, plan, source))
+        outputs.append(merge_partials(partials))
+    return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("scheme", ["alibi", "t5", "xpos", "self-extend"])
+def test_the_ring_uses_given_position_ids_as_one_process_does(scheme: str, causal: bool, world: int) -> None:
+    """The ring's pieces given the whole sequence's position ids (each rank its slice) against one call given them
+    (the carrier's dense path, or chunked Self-Extend), with a mask by token order and padding in one row."""
+    configs = {"t5": ps.T5BiasConfig(num_buckets=8, max_distance=16), "xpos": ps.XposConfig(),
+               "alibi": ps.AlibiConfig()}
+    config = configs.get(scheme, ps.RopeConfig())
+    positions = config.resolve(SPEC).build(SPEC)
+    for parameter in positions.parameters():
+        if parameter.dim():
+            torch.nn.init.normal_(parameter)
+    settings = (3, 4, 4) if scheme == "self-extend" else None
+    attention = torch.nn.Module()
+    attention.is_causal, attention.layer_idx, attention.num_key_value_groups = causal, 0, HEADS // KV_HEADS
+    explicit = given_positions()
+    valid = torch.ones(2, LENGTH, dtype=torch.bool)
+    valid[1, :4] = False
+
+    def make_context() -> PositionContext:
+        return PositionContext(positions, config.kind, 0, lambda module: True, self_extend=settings)
+
+    query, key, value = qkv()
+    index = torch.arange(LENGTH)
+    allowed = valid[:, None, None, :] & ((index[None, :] <= index[:, None]) if causal else True)  # [B, 1, L, L]
+    context = make_context()
+    context.row_positions = explicit
+    if settings is not None:
+        expected, _ = chunked_self_extend(attention, query, key, value, allowed, context, SCALE)
+    else:
+        query_in, key_in, mask = scheme_inputs(attention, query, key, allowed, context)
+        expected, _ = eager_attention(attention, query_in, key_in, value, mask, SCALE)
+    output = ring_of_parts(attention, (query, key, value), make_context, world, explicit, valid)
+    torch.testing.assert_close(output[0], expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(output[1, 4:], expected[1, 4:], atol=1e-5, rtol=1e-5)
+    by_index = ring_of_parts(attention, (query, key, value), make_context, world, None, valid)
+    assert (by_index - output)[0].abs().max() > 1e-2  # the position ids moved the output: the check above can fail
+
+
+def test_position_ids_on_some_ranks_only_are_refused() -> None:
+    with pytest.raises(ps.InvalidConfigError, match=r"passed on ranks \[0\] but not on ranks \[1\]"):
+        context_parallel._whole_position_ids([torch.zeros(1, 3, dtype=torch.long), None], torch.device("cpu"))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
+def test_gapped_position_ids_without_a_mask_are_refused_in_a_causal_model(
+    monkeypatch: pytest.MonkeyPatch, masked: bool
+) -> None:
+    """transformers reads position ids with a gap and no attention_mask as packed sequences (a causal mask within
+    each); the ring would attend across the gap, so it refuses, and takes them with a mask (PoSE)."""
+    monkeypatch.setattr(context_parallel.dist, "get_world_size", lambda group: 1)
+    monkeypatch.setattr(context_parallel.dist, "get_rank", lambda group: 0)
+    monkeypatch.setattr(context_parallel, "_all_gather_object", lambda item, world, group: [item])
+    positions = torch.cat((torch.arange(4), torch.arange(10, 14)))[None]  # [1, 8]: a jump of 7
+    kwargs = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "position_ids": positions}
+    if masked:
+        kwargs["attention_mask"] = torch.ones(2, 8, dtype=torch.long)
+    shard = RingGroup(group=object()).prepare(kwargs, None)
+    assert torch.equal(shard.explicit, positions.expand(2, 8))
+    attention = torch.nn.Module()
+    attention.is_causal = True
+    query, key, value = (tensor[..., :8, :] for tensor in qkv())
+    context = PositionContext(ps.AlibiConfig().resolve(SPEC).build(SPEC), "bias", 0, lambda module: True)
+    if masked:
+        ring_plan(attention, query, key, value, context, shard, SCALE)
+        return
+    with pytest.raises(ps.InvalidConfigError, match="packed sequences"):
+        ring_plan(attention, query, key, value, context, shard, SCALE)
+    attention.is_causal = False  # bidirectional models build no packed-sequence mask
+    ring_plan(attention, query, key, value, context, shard, SCALE)
+
+
 def test_a_model_without_a_position_hook_is_refused() -> None:
     with pytest.raises(ps.InvalidConfigError, match="no hf_posswap position hook"):
         with ps.context_parallel(make_model("llama")):
+            pass
+
+
+@pytest.mark.parametrize("scheme", ["sinusoidal", "none"])
+def test_a_scheme_with_nothing_in_attention_is_refused(scheme: str) -> None:
+    """transformers' own attention would attend within each rank's shard only (seen: rank 1's logits off by 0.6)."""
+    with pytest.raises(ps.InvalidConfigError, match=f"kind '{'absolute' if scheme == 'sinusoidal' else 'none'}'"):
+        with ps.context_parallel(swapped("gpt2", scheme), group=object()):
             pass
 
 
@@ -209,6 +330,16 @@ TWO_RANKS = [
 THREE_RANKS = [("gpt2-alibi", True), ("llama-t5", True), ("bert-fire", False), ("llama-layer-mix", False),
                ("llama-self-extend", True)]
 
+#: PoSE-like position ids (each row 0..k, then a jump), every rank passing its shard's slice of them
+GIVEN_POSITIONS = [
+    [case, padded, "gapped"] for case, padded in [
+        ("llama-xpos", False), ("bert-rope", True), ("llama-alibi", True), ("bert-alibi", False), ("llama-t5", False),
+        ("bert-t5", True), ("llama-kerple", False), ("bert-kerple", True), ("llama-fire", True), ("bert-fire", False),
+        ("llama-layer-mix", False), ("bert-layer-mix", True), ("llama-irope", True), ("llama-self-extend", False),
+        ("llama-self-extend", True), ("bert-self-extend", False),
+    ]
+]
+
 
 def expected_paths(case: str) -> list[str]:
     """Blocks as matmuls where a bias parameter needs a gradient or Self-Extend runs, else the CPU flash kernel."""
@@ -224,7 +355,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_ranks(world: int, cases: list[tuple[str, bool]]) -> list[dict]:
+def run_ranks(world: int, cases: list) -> list[dict]:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
     processes = [
@@ -242,7 +373,8 @@ def run_ranks(world: int, cases: list[tuple[str, bool]]) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "cases"), [(2, TWO_RANKS), (3, THREE_RANKS)], ids=["two-ranks", "three-ranks"])
+@pytest.mark.parametrize(("world", "cases"), [(2, TWO_RANKS), (3, THREE_RANKS), (2, GIVEN_POSITIONS)],
+                         ids=["two-ranks", "three-ranks", "two-ranks-given-position-ids"])
 def test_split_sequences_give_the_logits_and_gradients_of_one_process(world: int, cases: list) -> None:
     failed = [
         result for result in run_ranks(world, cases)
