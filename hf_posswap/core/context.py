@@ -159,11 +159,32 @@ def _explicit_positions(kwargs: dict[str, Any], query_offset: int, cache: Any) -
     if position_ids is None or query_offset != 0 or cache is not None:
         return None
     mask = kwargs.get("attention_mask")
-    if mask is not None and (mask.dim() != 2 or not bool(mask.all())):
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+        _check_index_distances(position_ids, mask)
+        return None
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
         return None
     reference = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     batch = reference.shape[0] if reference is not None else position_ids.shape[0]
     return position_ids.expand(batch, -1)
+
+
+def _check_index_distances(position_ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """A padded batch is placed by index distances (between real tokens, the padding skipped): refuse position ids
+    whose distances differ from those (ids that jump, as PoSE's do) instead of silently not using them."""
+    real = mask.bool()  # [B, T]
+    if position_ids.shape[-1] != real.shape[-1]:
+        return
+    offsets = position_ids.expand_as(real) - (real.long().cumsum(-1) - 1)  # constant along a row when they agree
+    low = torch.where(real, offsets, offsets.new_tensor(torch.iinfo(torch.long).max)).amin(-1)
+    high = torch.where(real, offsets, offsets.new_tensor(torch.iinfo(torch.long).min)).amax(-1)
+    rows = ((high > low) & real.any(-1)).nonzero().flatten().tolist()
+    if rows:
+        raise InvalidConfigError(
+            f"position_ids of the padded rows {rows[:5]} skip positions (their distances differ from the distances "
+            "between the row's real tokens); a padded batch is placed by token distances. Pass position ids that "
+            "count the real tokens (attention_mask.cumsum(-1) - 1), or such rows without padding."
+        )
 
 
 def _padded_positions(mask: Any) -> torch.Tensor | None:

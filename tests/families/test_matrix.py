@@ -229,6 +229,30 @@ def test_explicit_position_ids_reach_attention(family: str, scheme: str) -> None
     assert (alone - default[1:]).abs().max() > 1e-6  # the skip is seen (tiny random BERT: small effect)
 
 
+#: swaps placed by hf_posswap's attention (natively carried RoPE honours any position ids through transformers)
+PLACED_BY_HOOK = [pytest.param(f, s, id=f"{f}-{s}") for f in FAMILIES for s in ("alibi", "t5")] + [
+    pytest.param(f, s, id=f"{f}-{s}") for f, s in (("gpt2", "rope"), ("bert", "rope"), ("llama", "xpos"))]
+
+
+@pytest.mark.parametrize(("family", "scheme"), PLACED_BY_HOOK)
+def test_padded_rows_with_position_ids_that_skip_are_refused(family: str, scheme: str) -> None:
+    """A padded batch is placed by distances between its real tokens: ids that count them (as ``generate`` makes
+    for left padding) give the same logits as no ids; ids that skip (PoSE's) cannot be honoured there and raise
+    instead of being silently replaced."""
+    model = swapped(family, scheme)
+    input_ids = tokens(2, 16)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, :4] = 0  # row 1 left-padded by 4
+    counting = (mask.cumsum(-1) - 1).clamp(min=0)
+    skipped = torch.cat([torch.arange(8), torch.arange(8) + 40])[None].expand(2, -1)
+    with torch.no_grad():
+        plain = model(input_ids=input_ids, attention_mask=mask).logits
+        counted = model(input_ids=input_ids, attention_mask=mask, position_ids=counting).logits
+        torch.testing.assert_close(counted[mask.bool()], plain[mask.bool()], atol=1e-5, rtol=1e-4)
+        with pytest.raises(ps.InvalidConfigError, match=r"position_ids of the padded rows \[0, 1\] skip"):
+            model(input_ids=input_ids, attention_mask=mask, position_ids=skipped)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "bert", "llama"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_sinusoidal_in_half_precision(family: str, dtype: torch.dtype) -> None:
