@@ -25,12 +25,13 @@ if TYPE_CHECKING:
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
-#: what accelerate's ``save_state`` writes; a checkpoint without one of each cannot be resumed. Under FSDP model and
-#: optimizer are ``torch.distributed.checkpoint`` folders (``SHARDED_STATE_DICT``, a ``.metadata`` file beside the
-#: shards) or whole files (``FULL_STATE_DICT``), named by accelerate's ``FSDP_MODEL_NAME`` / ``OPTIMIZER_NAME``.
+#: what accelerate's ``save_state`` writes; a checkpoint without one of each cannot be resumed. Under FSDP the model
+#: is ``pytorch_model_fsdp.bin`` (``FULL_STATE_DICT``) or a ``torch.distributed.checkpoint`` folder
+#: ``pytorch_model_fsdp_0/`` (``SHARDED_STATE_DICT``, its ``.metadata`` beside the shards), the optimizer
+#: ``optimizer.bin`` or ``optimizer_0/`` (accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer``).
 REQUIRED_FILES = ("scheduler.bin", "random_states_0.pkl")
-MODEL_FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp_0.bin", "pytorch_model_fsdp_0/.metadata")
-OPTIMIZER_FILES = ("optimizer.bin", "optimizer_0.bin", "optimizer_0/.metadata")
+MODEL_FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp.bin", "pytorch_model_fsdp_0/.metadata")
+OPTIMIZER_FILES = ("optimizer.bin", "optimizer_0/.metadata")
 
 
 class TrainingCheckpointError(PosSwapError, ValueError):

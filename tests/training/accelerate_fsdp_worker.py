@@ -9,12 +9,12 @@ call PyTorch's ``fully_shard`` and distributed checkpoint, both of which run ove
 sharding is possible here.
 
 Usage: ``worker.py RUNS.json`` where RUNS.json is a list of ``{"config": {FinetuneConfig fields},
-"stop_after_checkpoint": step or null, "report": path}``, run in order in the same processes."""
+"stop_after_checkpoint": step or null, "report": path}``, run in order in the same processes (a run stopped after a
+checkpoint writes no report)."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 
@@ -38,18 +38,23 @@ def let_accelerate_shard_on_cpu() -> None:
     accelerate_config.accelerate_can_shard = lambda: True
 
 
-def stop_after_checkpoint(step: int) -> None:
-    """End this process right after the checkpoint of ``step`` is published (as a killed run would)."""
+class StopRun(Exception):
+    """Raised in every process right after a chosen checkpoint: the run ends there, as a killed one would."""
+
+
+def stop_after_checkpoint(step: int | None) -> None:
+    """End the next run right after the checkpoint of ``step`` is published (``None``: do not stop)."""
     import hf_posswap.training.loop as loop
 
-    original = loop._save_checkpoint
+    original = getattr(loop._save_checkpoint, "original", loop._save_checkpoint)
 
     def save_then_stop(accelerator, output, position):
         path = original(accelerator, output, position)
         if position["step"] == step:
-            os._exit(0)
+            raise StopRun(step)
         return path
 
+    save_then_stop.original = original
     loop._save_checkpoint = save_then_stop
 
 
@@ -62,9 +67,11 @@ def main(runs_file: str) -> None:
 
     for run in json.loads(open(runs_file, encoding="utf-8").read()):
         AcceleratorState._reset_state()  # a launched process runs one finetune; here each run sets its own precision
-        if run.get("stop_after_checkpoint"):
-            stop_after_checkpoint(run["stop_after_checkpoint"])
-        result = finetune(FinetuneConfig(**run["config"]))
+        stop_after_checkpoint(run.get("stop_after_checkpoint"))
+        try:
+            result = finetune(FinetuneConfig(**run["config"]))
+        except StopRun:
+            continue
         state = PartialState()
         if state.is_main_process:
             with open(run["report"], "w", encoding="utf-8") as handle:

@@ -3,9 +3,10 @@
 
 Two launches of 2 gloo processes on CPU (``accelerate_fsdp_worker.py`` explains how accelerate's FSDP path is let run
 on CPU) serve every slow test: the first trains a full LLaMA (grouped-query attention) with T5 tables, a full GPT-2
-with KERPLE and a LoRA LLaMA with KERPLE, and starts a run that stops right after its step-2 checkpoint; the second
-resumes that run in fresh processes. Each is compared with the same run in this one process (the global batch of 4
-rows equals 2 processes x 2 rows, in the same order)."""
+with KERPLE, a full LLaMA with FIRE, a LoRA LLaMA with KERPLE and a bf16 LLaMA with ALiBi, and starts two runs (one
+per checkpoint layout) that stop right after their step-2 checkpoint; the second resumes those in fresh processes.
+Each is compared with the same run in this one process (the global batch of 4 rows equals 2 processes x 2 rows, in
+the same order)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ FSDP_FILE = """distributed_type: FSDP
 fsdp_config:
   fsdp_version: 2
   fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_state_dict_type: {state_dict_type}
   fsdp_reshard_after_forward: true
 """
+#: accelerate's two FSDP2 checkpoint layouts: per-process shards (distributed checkpoint) or whole files
+STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 #: name -> (family, FinetuneConfig settings); every run takes 4 steps with a checkpoint every 2
 RUNS = {
     "llama-t5": ("llama", {"scheme": "t5"}),
@@ -69,16 +72,20 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
         save_tiny_checkpoint(family, root / family)
     (root / "corpus").mkdir()
     write_corpus(root / "corpus", documents=12)
-    fsdp_file = root / "fsdp.yaml"
-    fsdp_file.write_text(FSDP_FILE)
+    files = {kind: root / f"{kind}.yaml" for kind in STATE_DICT_TYPES}
+    for kind, path in files.items():
+        path.write_text(FSDP_FILE.format(state_dict_type=kind))
+    fsdp_file = files["SHARDED_STATE_DICT"]
     first = [{"config": _settings(root, family, root / name / "sharded", ROWS_PER_PROCESS,
                                   accelerate_config=str(fsdp_file), **extra),
               "report": str(root / name / "report.json")} for name, (family, extra) in {**RUNS, **BF16_RUNS}.items()]
     family, extra = RUNS[RESUMED]
-    stopped = _settings(root, family, root / "resumed", ROWS_PER_PROCESS, accelerate_config=str(fsdp_file), **extra)
-    first.append({"config": stopped, "stop_after_checkpoint": 2, "report": str(root / "unused.json")})
+    stopped = {kind: _settings(root, family, root / f"resumed-{kind}", ROWS_PER_PROCESS,
+                               accelerate_config=str(path), **extra) for kind, path in files.items()}
+    first += [{"config": config, "stop_after_checkpoint": 2} for config in stopped.values()]
     _launch(first, root)
-    _launch([{"config": {**stopped, "resume": True}, "report": str(root / "resumed-report.json")}], root)
+    _launch([{"config": {**config, "resume": True}, "report": str(root / f"resumed-{kind}-report.json")}
+             for kind, config in stopped.items()], root)
     for name, (family, extra) in {**RUNS, **BF16_RUNS}.items():
         finetune(FinetuneConfig(**_settings(root, family, root / name / "alone", WORLD * ROWS_PER_PROCESS, **extra)))
     return root
@@ -123,6 +130,8 @@ def test_checkpoints_hold_accelerates_sharded_files(trained: Path) -> None:
     assert (step / "pytorch_model_fsdp_0" / ".metadata").is_file()
     assert (step / "optimizer_0" / ".metadata").is_file()
     assert not (step / "model.safetensors").exists(), "the model was saved whole, not by FSDP"
+    whole = trained / "resumed-FULL_STATE_DICT" / "checkpoints" / "step-4"
+    assert (whole / "pytorch_model_fsdp.bin").is_file() and (whole / "optimizer.bin").is_file()
 
 
 @pytest.mark.slow
@@ -149,13 +158,14 @@ def test_lora_adapter_under_fsdp_reloads_with_the_logits_of_one_process(trained:
 
 
 @pytest.mark.slow
-def test_run_stopped_after_a_sharded_checkpoint_resumes_with_the_same_losses(trained: Path) -> None:
-    resumed = json.loads((trained / "resumed-report.json").read_text())
+@pytest.mark.parametrize("kind", STATE_DICT_TYPES)
+def test_run_stopped_after_a_sharded_checkpoint_resumes_with_the_same_losses(trained: Path, kind: str) -> None:
+    resumed = json.loads((trained / f"resumed-{kind}-report.json").read_text())
     assert resumed["steps"] == 4 and resumed["sharded"]
     uninterrupted = _losses(trained / RESUMED / "sharded")
-    torch.testing.assert_close(torch.tensor(_losses(trained / "resumed")), torch.tensor(uninterrupted),
+    torch.testing.assert_close(torch.tensor(_losses(trained / f"resumed-{kind}")), torch.tensor(uninterrupted),
                                rtol=1e-6, atol=0)
-    again = AutoModelForCausalLM.from_pretrained(trained / "resumed" / "final")
+    again = AutoModelForCausalLM.from_pretrained(trained / f"resumed-{kind}" / "final")
     straight = AutoModelForCausalLM.from_pretrained(trained / RESUMED / "sharded" / "final")
     torch.testing.assert_close(_logits(again), _logits(straight), rtol=0, atol=1e-6)
 
@@ -169,7 +179,7 @@ def test_fsdp_config_in_a_process_started_without_a_launcher_is_refused(tmp_path
     save_tiny_checkpoint("llama", tmp_path / "llama")
     (tmp_path / "corpus").mkdir()
     write_corpus(tmp_path / "corpus", documents=2)
-    (tmp_path / "fsdp.yaml").write_text(FSDP_FILE)
+    (tmp_path / "fsdp.yaml").write_text(FSDP_FILE.format(state_dict_type="SHARDED_STATE_DICT"))
     config = FinetuneConfig(**_settings(tmp_path, "llama", tmp_path / "out", 2, scheme="alibi",
                                         accelerate_config=str(tmp_path / "fsdp.yaml")))
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
