@@ -187,6 +187,12 @@ def _plugin_arguments(section: dict[str, Any]) -> dict[str, Any]:
             value = [part.strip() for part in value.split(",") if part.strip()]
         options[name] = value
     options.setdefault("fsdp_version", 2)
+    if str(options["fsdp_version"]) != "2":
+        raise InvalidConfigError(
+            f"fsdp_version {options['fsdp_version']!r}: hf-posswap finetune shards with FSDP2 only (the version its "
+            "position modules are tested under; accelerate's FSDP1 path is its legacy one): set fsdp_version: 2."
+        )
+    options["fsdp_version"] = 2
     return options
 
 

@@ -75,9 +75,11 @@ def test_the_plugin_is_built_for_cuda(tmp_path: Path) -> None:
     pytest.param("distributed_type: FSDP\nfsdp_config: {fsdp_shard_everything: true}\n", "fsdp_shard_everything",
                  marks=needs_fsdp2),
     ("distributed_type: MULTI_GPU\nfsdp_config: {fsdp_version: 2}\n", "distributed_type: FSDP"),
+    pytest.param("distributed_type: FSDP\nfsdp_config: {fsdp_version: 1}\n", "fsdp_version 1: .*FSDP2 only",
+                 marks=needs_fsdp2),
     ("- a list\n", "mapping"),
     ("distributed_type: [FSDP\n", "cannot be read"),
-], ids=["deepspeed", "unknown-key", "fsdp-section-without-fsdp", "not-a-mapping", "bad-yaml"])
+], ids=["deepspeed", "unknown-key", "fsdp-section-without-fsdp", "fsdp1", "not-a-mapping", "bad-yaml"])
 def test_files_that_cannot_shard_are_refused_in_one_line(tmp_path: Path, text: str, expected: str) -> None:
     with pytest.raises(InvalidConfigError, match=expected) as error:
         fsdp_plugin(write(tmp_path, text), cuda=True)
