@@ -117,10 +117,29 @@ def fit_layers_for_fsdp(model: Any, mixed_precision: str, plugin: Any, device: t
     arguments (see :func:`fsdp_plugin`)."""
     from .sharding import CastInputs, transformer_layers
 
+    if getattr(plugin, "cpu_ram_efficient_loading", False):
+        _check_efficient_loading(model)
     replicate_scalar_holders(model, plugin, device)
     if mixed_precision in PRECISIONS:
         for layer in transformer_layers(model):
             layer.register_forward_pre_hook(CastInputs(PRECISIONS[mixed_precision]), with_kwargs=True)
+
+
+def _check_efficient_loading(model: Any) -> None:
+    """accelerate's ``cpu_ram_efficient_loading`` moves the model to the meta device and refills it from process 0's
+    state dict, shard by shard: a state entry that is not a sharded parameter (a persistent buffer: fixed ALiBi
+    slopes, xPos's tables) stops it, and parameters it was told to ignore (FIRE's modules) are replaced on the way,
+    so ``fully_shard`` then meets FIRE's 0-dim parameters. Refused before training, with the setting to change."""
+    parameters = {name for name, _ in model.named_parameters()}
+    buffers = [name for name in model.state_dict() if name not in parameters]
+    scalars = [name for name, param in model.named_parameters() if param.ndim == 0]
+    if buffers or scalars:
+        held = ", ".join((buffers or scalars)[:2])
+        raise InvalidConfigError(
+            f"fsdp_cpu_ram_efficient_loading: true cannot load this model's position state ({held}: "
+            f"{'persistent buffers' if buffers else '0-dim parameters'}) through accelerate's meta-device refill; "
+            "set fsdp_cpu_ram_efficient_loading: false in the accelerate config."
+        )
 
 
 def replicate_scalar_holders(model: Any, plugin: Any, device: torch.device) -> None:

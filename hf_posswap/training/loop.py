@@ -67,8 +67,8 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     check_positions(config)
     objective = resolve_objective(config)
     check_output(config)
-    fsdp = _fsdp_plugin(config)
-    with accelerate_environment_kept():
+    with accelerate_environment_kept():  # accelerate's plugin and Accelerator set process-wide variables
+        fsdp = _fsdp_plugin(config)
         return _accelerated(config, fsdp, documents, objective)
 
 

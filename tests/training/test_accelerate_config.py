@@ -39,6 +39,16 @@ use_cpu: false
 """
 
 
+@pytest.fixture(autouse=True)
+def _environment_kept():
+    """Building a plugin sets accelerate's process-wide variables (FSDP_CPU_RAM_EFFICIENT_LOADING, ...): undone after
+    each test, as ``finetune`` undoes them after a run."""
+    from hf_posswap.training.accelerate_config import accelerate_environment_kept
+
+    with accelerate_environment_kept():
+        yield
+
+
 #: accelerate before 1.6 builds no FSDP2 plugin (the floor, 1.0.1, is one): those files are refused (tested below)
 needs_fsdp2 = pytest.mark.skipif(not accelerate_has_fsdp2(), reason="the installed accelerate has no FSDP2 (1.6 on)")
 
@@ -156,7 +166,7 @@ def test_fire_modules_are_kept_whole(tmp_path: Path) -> None:
 
     from hf_posswap.training.accelerate_config import fit_layers_for_fsdp
 
-    plugin = fsdp_plugin(write(tmp_path, FSDP2_YAML), cuda=True)
+    plugin = fsdp_plugin(write(tmp_path, FSDP2_YAML.replace("loading: true", "loading: false")), cuda=True)
     model = swapped("llama", "fire")
     fit_layers_for_fsdp(model, "no", plugin, torch.device("cpu"))
     scalars = {id(p) for p in model.parameters() if p.ndim == 0}
@@ -165,3 +175,22 @@ def test_fire_modules_are_kept_whole(tmp_path: Path) -> None:
     plugin.ignored_modules = "model.layers.0.mlp"
     with pytest.raises(InvalidConfigError, match="fsdp_ignored_modules 'model.layers.0.mlp' is a pattern"):
         fit_layers_for_fsdp(swapped("llama", "fire"), "no", plugin, torch.device("cpu"))
+
+
+@needs_fsdp2
+@pytest.mark.parametrize(("scheme", "held"), [("alibi", "persistent buffers"), ("fire", "0-dim parameters")])
+def test_efficient_loading_of_position_state_it_cannot_refill_is_refused(tmp_path: Path, scheme: str,
+                                                                         held: str) -> None:
+    """accelerate's meta-device refill stops at a persistent buffer and loses the FIRE modules it was told to ignore
+    (both seen over 2 gloo processes): refused with the setting to change. T5 and KERPLE load that way
+    (tests/training/test_accelerate_fsdp.py)."""
+    import torch
+    from conftest import swapped
+
+    from hf_posswap.training.accelerate_config import fit_layers_for_fsdp
+
+    plugin = fsdp_plugin(write(tmp_path, FSDP2_YAML), cuda=True)
+    assert plugin.cpu_ram_efficient_loading
+    with pytest.raises(InvalidConfigError, match=f"{held}.*set fsdp_cpu_ram_efficient_loading: false"):
+        fit_layers_for_fsdp(swapped("llama", scheme), "no", plugin, torch.device("cpu"))
+    fit_layers_for_fsdp(swapped("llama", "kerple"), "no", plugin, torch.device("cpu"))

@@ -36,12 +36,15 @@ fsdp_config:
 """
 #: accelerate's two FSDP2 checkpoint layouts: per-process shards (distributed checkpoint) or whole files
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+#: process 1 loads the checkpoint onto the meta device and gets its shards from process 0
+EFFICIENT_LOADING = "  fsdp_cpu_ram_efficient_loading: true\n"
 #: name -> (family, FinetuneConfig settings); every run takes 4 steps with a checkpoint every 2
 RUNS = {
     "llama-t5": ("llama", {"scheme": "t5"}),
     "gpt2-kerple": ("gpt2", {"scheme": "kerple"}),
     "llama-fire": ("llama", {"scheme": "fire"}),  # 0-dim parameters: their modules replicated, not sharded
     "llama-kerple-lora": ("llama", {"scheme": "kerple", "lora": True, "lora_r": 4, "merge_lora": True}),
+    "llama-t5-efficient-loading": ("llama", {"scheme": "t5"}),
 }
 #: trained in bf16 (FSDP gathers bf16 parameters and keeps fp32 masters; one process autocasts): close, not equal
 BF16_RUNS = {"llama-alibi-bf16": ("llama", {"scheme": "alibi", "mixed_precision": "bf16"})}
@@ -76,8 +79,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for kind, path in files.items():
         path.write_text(FSDP_FILE.format(state_dict_type=kind))
     fsdp_file = files["SHARDED_STATE_DICT"]
+    efficient_file = root / "efficient.yaml"
+    efficient_file.write_text(FSDP_FILE.format(state_dict_type="SHARDED_STATE_DICT") + EFFICIENT_LOADING)
     first = [{"config": _settings(root, family, root / name / "sharded", ROWS_PER_PROCESS,
-                                  accelerate_config=str(fsdp_file), **extra),
+                                  accelerate_config=str(efficient_file if "efficient" in name else fsdp_file),
+                                  **extra),
               "report": str(root / name / "report.json")} for name, (family, extra) in {**RUNS, **BF16_RUNS}.items()]
     family, extra = RUNS[RESUMED]
     stopped = {kind: _settings(root, family, root / f"resumed-{kind}", ROWS_PER_PROCESS,
