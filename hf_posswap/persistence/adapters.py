@@ -59,11 +59,13 @@ def lora_config(model: nn.Module, r: int = 8, alpha: int = 16, dropout: float = 
     )
 
 
-def save_adapter(peft_model: nn.Module, directory: str | os.PathLike[str]) -> None:
-    """``peft_model.save_pretrained`` plus the swap record the adapter was trained with."""
+def save_adapter(peft_model: nn.Module, directory: str | os.PathLike[str],
+                 state_dict: dict[str, Any] | None = None) -> None:
+    """``peft_model.save_pretrained`` plus the swap record the adapter was trained with. ``state_dict``: the whole
+    model's state when its own parameters are shards (DeepSpeed ZeRO-3), gathered beforehand by every process."""
     directory = Path(directory)
     with quiet_peft():
-        peft_model.save_pretrained(directory)
+        peft_model.save_pretrained(directory, **({"state_dict": state_dict} if state_dict is not None else {}))
     state = swap_state(_unwrap(peft_model))
     record = {"scheme": state.config.to_dict() if state else None, "extension": state.extension if state else None}
     (directory / ADAPTER_RECORD).write_text(json.dumps(record, indent=2), encoding="utf-8")

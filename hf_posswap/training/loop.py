@@ -70,14 +70,16 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     check_positions(config)
     objective = resolve_objective(config)
     check_output(config)
-    fsdp = _fsdp_plugin(config)
+    deepspeed = _deepspeed_plugin(config)  # a DeepSpeed file is read here, an FSDP one by _fsdp_plugin
+    fsdp = _fsdp_plugin(config) if deepspeed is None else None
     # cpu=True on machines without CUDA makes torchrun-launched processes (`accelerate launch --multi_gpu`,
     # `torchrun`) train data-parallel over gloo instead of each running alone.
     accelerator = Accelerator(
         gradient_accumulation_steps=config.grad_accum,
         mixed_precision=config.mixed_precision,
-        cpu=not torch.cuda.is_available(),
+        cpu=not torch.cuda.is_available() and deepspeed is None,  # DeepSpeed on CPU: its own CPU accelerator
         fsdp_plugin=fsdp,
+        **_deepspeed_arguments(deepspeed),
     )
     set_seed(config.seed)
     output = Path(config.output).expanduser()
@@ -121,6 +123,10 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
         from .accelerate_config import fit_layers_for_fsdp
 
         fit_layers_for_fsdp(model, config.mixed_precision)
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:  # partitioned by DeepSpeed ZeRO
+        from .deepspeed_config import fit_model_for_deepspeed
+
+        fit_model_for_deepspeed(model)
 
     token_ids = pack(documents, tokenizer, config.seq_len)
     train_set, eval_set = train_eval_split(token_ids, config.seq_len, config.eval_fraction)
@@ -247,9 +253,44 @@ def _fsdp_plugin(config: FinetuneConfig):
     return plugin
 
 
+# --- DeepSpeed (hf_posswap.training.deepspeed_config) ---------------------------------------------------------------
+
+
+def _deepspeed_plugin(config: FinetuneConfig):
+    """accelerate's DeepSpeed plugin from ``config.accelerate_config`` (``None`` without one, or when it does not
+    ask for DeepSpeed)."""
+    if config.accelerate_config is None:
+        return None
+    from .deepspeed_config import plugin_from_file
+
+    plugin = plugin_from_file(config.accelerate_config, config.grad_accum, config.max_grad_norm)
+    if plugin is not None and config.merge_lora:
+        raise InvalidConfigError("--merge-lora with a DeepSpeed accelerate config is not supported (the merge needs "
+                                 "the whole model in one process): drop --merge-lora (hf-posswap commands "
+                                 "merge a saved adapter when they load it), or train without --accelerate-config.")
+    return plugin
+
+
+def _deepspeed_arguments(plugin) -> dict[str, Any]:
+    """``Accelerator`` arguments for ``plugin`` (none without one)."""
+    if plugin is None:
+        return {}
+    from .deepspeed_config import process_group_kwargs
+
+    return {"deepspeed_plugin": plugin, "kwargs_handlers": process_group_kwargs(torch.cuda.is_available())}
+
+
+# -----------------------------------------------------------------------------------------------------------------
+
+
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A parameter sharded by FSDP gathered from every process (every process must call it); others as they are."""
+    """A parameter sharded by FSDP or DeepSpeed ZeRO-3 gathered from every process (every process must call it);
+    others as they are."""
     full_tensor = getattr(tensor, "full_tensor", None)
+    if hasattr(tensor, "ds_id"):  # partitioned by DeepSpeed ZeRO-3
+        from .deepspeed_config import gathered_copy
+
+        return gathered_copy(tensor)
     return full_tensor() if callable(full_tensor) else tensor
 
 

@@ -28,6 +28,8 @@ STATE_FILE = "trainer_state.json"
 #: files accelerate's ``save_state`` writes for one process; a checkpoint without them cannot be resumed
 REQUIRED_FILES = ("optimizer.bin", "scheduler.bin", "random_states_0.pkl")
 MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
+#: accelerate's own files beside a DeepSpeed checkpoint (whose model and optimizer files deepspeed_config lists)
+DEEPSPEED_FILES = ("scheduler.bin", "random_states_0.pkl")
 
 
 class TrainingCheckpointError(PosSwapError, ValueError):
@@ -108,6 +110,14 @@ def has_checkpoint_dirs(output: Path) -> bool:
 
 
 def _check_files(checkpoint: Path) -> None:
+    from .deepspeed_config import missing_checkpoint_files  # DeepSpeed writes its own model and optimizer files
+
+    deepspeed_missing = missing_checkpoint_files(checkpoint)
+    if deepspeed_missing is not None:
+        deepspeed_missing += [name for name in DEEPSPEED_FILES if not _non_empty(checkpoint / name)]
+        if deepspeed_missing:
+            raise TrainingCheckpointError(f"{checkpoint} lacks {', '.join(deepspeed_missing)}; it cannot be resumed.")
+        return
     missing = [name for name in REQUIRED_FILES if not _non_empty(checkpoint / name)]
     if not any(_non_empty(checkpoint / name) for name in MODEL_FILES):
         missing.append(MODEL_FILES[0])
@@ -147,7 +157,7 @@ def save_result(accelerator, model, tokenizer, output: Path, config: FinetuneCon
         if config.lora:
             from ..persistence.adapters import save_adapter
 
-            save_adapter(unwrapped, staging)
+            save_adapter(unwrapped, staging, state_dict=whole)
         else:
             unwrapped.save_pretrained(staging, state_dict=whole)
         tokenizer.save_pretrained(staging)
@@ -165,7 +175,7 @@ def save_result(accelerator, model, tokenizer, output: Path, config: FinetuneCon
 def _sharded(accelerator) -> bool:
     from accelerate.utils import DistributedType
 
-    return accelerator.distributed_type == DistributedType.FSDP
+    return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)  # ZeRO-3 partitions too
 
 
 def _fresh_staging(target: Path) -> Path:
