@@ -12,10 +12,13 @@ in one line that names it. Two settings are always made, because ``finetune`` ne
 
 On a machine without CUDA DeepSpeed runs on its CPU accelerator (``DS_ACCELERATOR=cpu``, detected by itself) over
 gloo when oneCCL's bindings are absent; accelerate then has to be told the backend (:func:`process_group_kwargs`),
-or it counts one process per process group. DeepSpeed cannot take 0-dim parameters (FIRE's ``c`` and threshold
-scale): it broadcasts each parameter as ``p.data.view(torch.uint8)``, which PyTorch refuses for a 0-dim float tensor
-(``deepspeed/runtime/engine.py``, ``_broadcast_model``; ``zero/partition_parameters.py``, ``_zero_init_param``), so
-:func:`check_parameters` refuses such a model before DeepSpeed fails on it.
+or it counts one process per process group.
+
+DeepSpeed cannot take 0-dim parameters (FIRE's ``c`` and threshold scale): it broadcasts each parameter as
+``p.data.view(torch.uint8)``, which PyTorch refuses for a 0-dim float tensor ("self.dim() cannot be 0 to view Float
+as Byte"; ``deepspeed/runtime/engine.py`` ``_broadcast_model``, and ``zero/partition_parameters.py``
+``_zero_init_param`` under ``zero3_init_flag``). :func:`hold_scalars_as_vectors` gives them the shape [1] for the
+run (FIRE reads them as scalars either way) and :func:`restore_scalars` writes them back 0-dim in the final model.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ FLAGS = ("zero3_init_flag", "zero3_save_16bit_model")
 MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
 OPTIM_STATES = "zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 CHECKPOINT_TAG = "pytorch_model"
+#: the attribute that marks a 0-dim parameter held as shape [1] during a DeepSpeed run
+SCALAR_MARK = "posswap_held_scalar"
 
 
 def asks_for_deepspeed(settings: dict[str, Any]) -> bool:
@@ -110,15 +115,26 @@ def process_group_kwargs(cuda: bool) -> list[Any]:
     return [InitProcessGroupKwargs(backend="gloo")]
 
 
-def check_parameters(model: Any) -> None:
-    """Refuse 0-dim parameters (FIRE's) before DeepSpeed fails on them (see the module doc)."""
-    scalars = [name for name, param in model.named_parameters() if param.ndim == 0]
-    if scalars:
-        raise InvalidConfigError(
-            f"DeepSpeed cannot take the 0-dim parameters {', '.join(scalars[:3])} (FIRE's): it broadcasts every "
-            "parameter viewed as bytes, which PyTorch refuses for 0-dim tensors. Train this model with an FSDP "
-            "config, with hf_posswap.training.sharding.shard_model, or without --accelerate-config."
-        )
+def hold_scalars_as_vectors(model: Any) -> list[str]:
+    """Give each 0-dim parameter of ``model`` (FIRE's) the shape [1] in place, and mark it, so DeepSpeed can
+    broadcast and partition it (see the module doc); :func:`restore_scalars` turns the saved state back. Returns
+    their names. Apply before the optimizer is built."""
+    names = []
+    for name, param in model.named_parameters():
+        if param.ndim == 0:
+            param.data = param.data.reshape(1)  # [] -> [1]
+            setattr(param, SCALAR_MARK, True)
+            names.append(name)
+    return names
+
+
+def restore_scalars(model: Any, state_dict: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``state_dict`` of ``model`` (gathered from ZeRO-3) with the parameters :func:`hold_scalars_as_vectors` gave
+    the shape [1] back to 0-dim, as the model's own checkpoints hold them."""
+    if state_dict is None:
+        return None
+    held = {name for name, param in model.named_parameters() if getattr(param, SCALAR_MARK, False)}
+    return {key: value.reshape(()) if key in held else value for key, value in state_dict.items()}
 
 
 def missing_checkpoint_files(checkpoint: Path, processes: int | None = None) -> list[str] | None:
@@ -188,8 +204,9 @@ def plugin_from_file(path: str | Path, grad_accum: int, max_grad_norm: float) ->
 
 
 def fit_model_for_deepspeed(model: Any) -> None:
-    """Before DeepSpeed partitions ``model``: refuse what it cannot take (:func:`check_parameters`)."""
-    check_parameters(model)
+    """Before DeepSpeed partitions ``model``: hold its 0-dim parameters as shape [1]
+    (:func:`hold_scalars_as_vectors`)."""
+    hold_scalars_as_vectors(model)
 
 
 def gathered_copy(param: Any) -> Any:

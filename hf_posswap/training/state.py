@@ -153,6 +153,9 @@ def save_result(accelerator, model, tokenizer, output: Path, config: FinetuneCon
     whole = accelerator.get_state_dict(model) if _sharded(accelerator) else None
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
+        from .deepspeed_config import restore_scalars  # FIRE's scalars, held as [1] for DeepSpeed
+
+        whole = restore_scalars(unwrapped, whole)
         staging = _fresh_staging(final)
         if config.lora:
             from ..persistence.adapters import save_adapter

@@ -13,9 +13,10 @@ from conftest import swapped
 from hf_posswap.errors import InvalidConfigError
 from hf_posswap.training.deepspeed_config import (
     asks_for_deepspeed,
-    check_parameters,
     deepspeed_plugin_options,
+    hold_scalars_as_vectors,
     missing_checkpoint_files,
+    restore_scalars,
 )
 from hf_posswap.training.state import TrainingCheckpointError, _check_files
 
@@ -70,11 +71,18 @@ def test_which_files_ask_for_deepspeed() -> None:
         deepspeed_plugin_options({"distributed_type": "MULTI_GPU", "deepspeed_config": {"zero_stage": 3}}, 1, 1.0)
 
 
-def test_fire_scalars_are_refused_before_deepspeed_sees_them() -> None:
-    with pytest.raises(InvalidConfigError, match=r"0-dim parameters .*functions\.0\.c") as error:
-        check_parameters(swapped("llama", "fire"))
-    assert "\n" not in str(error.value)
-    check_parameters(swapped("llama", "kerple"))
+def test_fire_scalars_are_held_as_vectors_and_saved_back_as_scalars() -> None:
+    model, reference = swapped("llama", "fire").eval(), swapped("llama", "fire").eval()
+    tokens = torch.randint(3, 90, (2, 16), generator=torch.Generator().manual_seed(0))
+    held = hold_scalars_as_vectors(model)
+    assert held == ["model.posswap_positions.functions.0.c", "model.posswap_positions.functions.0.threshold_scale"]
+    assert all(model.get_parameter(name).shape == (1,) for name in held)
+    with torch.no_grad():  # FIRE reads them as scalars either way
+        torch.testing.assert_close(model(input_ids=tokens).logits, reference(input_ids=tokens).logits, rtol=0, atol=0)
+    restored = restore_scalars(model, model.state_dict())
+    assert {name: value.shape for name, value in restored.items()} == {
+        name: value.shape for name, value in reference.state_dict().items()}
+    assert hold_scalars_as_vectors(swapped("llama", "kerple")) == []
 
 
 def _deepspeed_checkpoint(path: Path, processes: int = 2, optimizer_prefix: str = "") -> Path:

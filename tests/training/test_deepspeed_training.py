@@ -1,7 +1,8 @@
 """``finetune`` with an accelerate config that asks for DeepSpeed ZeRO-3, over 2 gloo processes on CPU (DeepSpeed's
 CPU accelerator), equals ``finetune`` in one process: the same losses, the same weights after the steps (position
-parameters included, sharded and trained like any weight), a final model gathered from the shards that reloads with
-its scheme, a resume from a DeepSpeed checkpoint that continues with the same losses, and LoRA.
+parameters included, FIRE's 0-dim ones too, sharded and trained like any weight), a final model gathered from the
+shards that reloads with its scheme, a resume from a DeepSpeed checkpoint that continues with the same losses, and
+LoRA.
 
 One spawn of 2 processes runs every DeepSpeed case; the one-process references run in the test process."""
 
@@ -24,7 +25,9 @@ pytest.importorskip("deepspeed")
 WORLD = 2
 BATCH = 4  # rows per optimizer step: BATCH // WORLD per process under DeepSpeed
 STEPS = 4
-CASES = [("llama", "t5"), ("llama", "kerple"), ("llama", "rope"), ("gpt2", "alibi"), ("gpt2", "t5")]
+CASES = [("llama", "t5"), ("llama", "kerple"), ("llama", "fire"), ("llama", "learned"), ("llama", "rope"),
+         ("gpt2", "alibi"), ("gpt2", "t5"), ("gpt2", "fire")]
+TRAINED_POSITIONS = {"t5", "kerple", "fire", "learned"}  # schemes with position parameters
 RESUMED = ("llama", "kerple")  # resumed from its DeepSpeed checkpoint at step STEPS // 2
 LORA = ("llama", "t5")
 #: ZeRO-3 with every parameter partitioned: DeepSpeed keeps parameters under stage3_param_persistence_threshold
@@ -80,18 +83,12 @@ def _worker(rank: int, port: int, root: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
-    from hf_posswap.errors import InvalidConfigError
-
     directory = Path(root)
     results: dict = {}
     for family, scheme in CASES:
         results[f"{family}-{scheme}"] = _zero3(directory, family, scheme, directory / f"zero3-{family}-{scheme}")
     results["resumed"] = str(_resume_from_half_way(directory, directory / f"zero3-{RESUMED[0]}-{RESUMED[1]}"))
     results["lora"] = _zero3(directory, *LORA, directory / "zero3-lora", lora=True)
-    try:
-        _zero3(directory, "gpt2", "fire", directory / "zero3-fire")
-    except InvalidConfigError as error:
-        results["fire"] = str(error)
     if rank == 0:
         (directory / "zero3.json").write_text(json.dumps(results))
 
@@ -136,6 +133,7 @@ def _weights(directory: Path) -> dict[str, torch.Tensor]:
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    assert all(a[k].shape == b[k].shape for k in a), [k for k in a if a[k].shape != b[k].shape]
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
@@ -148,18 +146,23 @@ def test_zero3_steps_equal_one_process(runs: dict, family: str, scheme: str) -> 
     assert result["steps"] == STEPS
     # the trained weights' sum, gathered from the partitions (an ungathered ZeRO-3 parameter sums to 0)
     assert result["parameter_checksum"] == pytest.approx(reference["parameter_checksum"], rel=1e-4)
-    assert _losses(zero3) == pytest.approx(_losses(alone), abs=1e-5)  # measured: within 1e-6
+    assert _losses(zero3) == pytest.approx(_losses(alone), abs=1e-5)  # measured: within 4e-6
     sharded, whole = _weights(zero3 / "final"), _weights(alone / "final")
     # AdamW moves a weight by about lr whatever its gradient's size, so a near-zero gradient that differs in its
     # last bits moves it visibly differently: every weight within 1e-3 (measured: 3.3e-4, lr 2e-3)
     assert _max_diff(sharded, whole) < 1e-3
-    positions = {name for name in whole if "posswap_positions" in name}
-    if scheme in ("t5", "kerple"):  # schemes with parameters: sharded and trained like any weight
+    if scheme in TRAINED_POSITIONS:  # sharded and trained like any weight (FIRE's 0-dim ones held as [1])
         half_way = _weights(alone / "checkpoints" / f"step-{STEPS // 2}")
-        moved = _max_diff({k: whole[k] for k in positions}, {k: half_way[k] for k in positions})
-        assert moved > 1e-4  # trained over the last steps (measured: 3e-3)
-        difference = _max_diff({k: sharded[k] for k in positions}, {k: whole[k] for k in positions})
-        assert difference <= 1e-2 * moved  # measured: at most 3.4e-3 * moved (gpt2's T5 table)
+        positions = [name for name in whole if "posswap_positions" in name]
+        moved = {name: _max_diff({name: whole[name]}, {name: half_way[name]}) for name in positions}
+        # a parameter whose gradient is rounding noise (FIRE's output bias: softmax ignores a bias equal for every
+        # key) moves by less; the others moved 1.4e-3 .. 4e-3 over the last steps
+        trained = [name for name in positions if moved[name] > 1e-4]
+        assert trained, moved
+        if scheme == "fire":
+            assert {name.rsplit(".", 1)[1] for name in trained} >= {"c", "threshold_scale"}
+        for name in trained:  # measured: within 3.4e-3 * moved (gpt2's T5 table)
+            assert _max_diff({name: sharded[name]}, {name: whole[name]}) <= 1e-2 * moved[name], name
 
 
 @pytest.mark.slow
@@ -177,7 +180,8 @@ def test_zero3_final_model_is_the_gathered_shards_and_reloads_with_its_scheme(ru
                                                       tag="pytorch_model")
     tied = set(shards) - set(saved)  # GPT-2's head, tied to the embedding, is written once
     assert tied <= {"lm_head.weight"} and set(saved) <= set(shards)
-    assert _max_diff(saved, {name: shards[name] for name in saved}) == 0.0
+    # FIRE's 0-dim parameters, held as [1] by DeepSpeed, are written back 0-dim
+    assert _max_diff(saved, {name: shards[name].reshape(saved[name].shape) for name in saved}) == 0.0
     sharded = AutoModelForCausalLM.from_pretrained(zero3 / "final").eval()
     alone = AutoModelForCausalLM.from_pretrained(root / f"alone-{family}-{scheme}" / "final").eval()
     assert ps.describe(sharded).scheme == ("native" if (family, scheme) in NATIVE_PAIRS else scheme)
@@ -211,8 +215,3 @@ def test_zero3_lora_trains_the_adapter_and_the_position_parameters(runs: dict) -
     whole = load_file(alone / "adapter" / "adapter_model.safetensors")
     assert any("posswap_positions" in name for name in whole)
     assert _max_diff(sharded, whole) < 1e-3  # AdamW's spread, as above (measured: 1.1e-5)
-
-
-@pytest.mark.slow
-def test_zero3_refuses_fire_scalars_in_one_line(runs: dict) -> None:
-    assert "0-dim parameters" in runs["fire"] and "\n" not in runs["fire"]
