@@ -254,7 +254,7 @@ def build_parser(prog: str = "hf-posswap finetune",
     parser.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="no",
                         help="train in reduced precision through accelerate")
     parser.add_argument("--accelerate-config", metavar="YAML",
-                        help="an `accelerate config` file whose FSDP settings shard the model (needs CUDA)")
+                        help="an `accelerate config` file whose FSDP (CUDA) or DeepSpeed settings shard the model")
     parser.add_argument("--text-field", default="text", help="jsonl / datasets field holding the text")
     for flag, text in FLAGS:
         parser.add_argument(f"--{flag}", action="store_true", help=text)
