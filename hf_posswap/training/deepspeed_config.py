@@ -96,12 +96,22 @@ def deepspeed_plugin(settings: dict[str, Any], grad_accum: int, max_grad_norm: f
     """The ``DeepSpeedPlugin`` the file's settings ask for, set to train ``finetune``'s torch optimizer."""
     from accelerate.utils import DeepSpeedPlugin
 
-    plugin = DeepSpeedPlugin(**deepspeed_plugin_options(settings, grad_accum, max_grad_norm))
+    options = deepspeed_plugin_options(settings, grad_accum, max_grad_norm)
+    if not deepspeed_installed():
+        raise InvalidConfigError("The accelerate config asks for DeepSpeed, which is not installed: pip install "
+                                 "deepspeed (DS_BUILD_OPS=0 is enough: finetune needs none of its compiled ops).")
+    plugin = DeepSpeedPlugin(**options)
     # finetune writes the whole model gathered from the shards
     plugin.deepspeed_config.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
     plugin.deepspeed_config["zero_force_ds_cpu_optimizer"] = False
     plugin.deepspeed_config.setdefault("zero_allow_untested_optimizer", True)
     return plugin
+
+
+def deepspeed_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
 
 
 def process_group_kwargs(cuda: bool) -> list[Any]:

@@ -63,6 +63,29 @@ def test_bad_values_are_named_in_one_line(section: dict, expected: str) -> None:
     assert "\n" not in str(error.value)
 
 
+def test_the_plugin_trains_a_torch_optimizer_and_gathers_the_final_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hf_posswap.training.deepspeed_config as deepspeed_config
+
+    monkeypatch.setattr(deepspeed_config, "deepspeed_installed", lambda: True)  # accelerate builds it without
+    section = {"zero_stage": 3, "offload_optimizer_device": "cpu", "zero3_save_16bit_model": False}
+    plugin = deepspeed_config.deepspeed_plugin({"deepspeed_config": section}, grad_accum=2, max_grad_norm=0.5)
+    settings = plugin.deepspeed_config
+    assert settings["zero_optimization"]["stage"] == 3
+    assert settings["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert settings["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    assert settings["zero_force_ds_cpu_optimizer"] is False
+    assert settings["gradient_accumulation_steps"] == 2 and settings["gradient_clipping"] == 0.5
+
+
+def test_a_missing_deepspeed_is_named_with_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hf_posswap.training.deepspeed_config as deepspeed_config
+
+    monkeypatch.setattr(deepspeed_config, "deepspeed_installed", lambda: False)
+    with pytest.raises(InvalidConfigError, match=r"DeepSpeed, which is not installed: pip install deepspeed") as error:
+        deepspeed_config.deepspeed_plugin({"distributed_type": "DEEPSPEED"}, 1, 1.0)
+    assert "\n" not in str(error.value)
+
+
 def test_which_files_ask_for_deepspeed() -> None:
     assert asks_for_deepspeed({"distributed_type": "DEEPSPEED"})
     assert asks_for_deepspeed({"deepspeed_config": {"zero_stage": 3}})
