@@ -149,12 +149,14 @@ def restore_scalars(model: Any, state_dict: dict[str, Any] | None) -> dict[str, 
 
 def missing_checkpoint_files(checkpoint: Path, processes: int | None = None) -> list[str] | None:
     """``None`` when ``checkpoint`` is not a DeepSpeed one (no ``pytorch_model`` folder); else the DeepSpeed files
-    it lacks, of every process (``processes``: how many wrote it; default: as many as wrote model states)."""
+    it lacks, of every process (``processes``: how many wrote it; default: as many as left any file of their own)."""
     folder = checkpoint / CHECKPOINT_TAG
     if not folder.is_dir():
         return None
     if processes is None:
-        processes = max(1, len(list(folder.glob(MODEL_STATES.format(rank="*")))))
+        patterns = [(folder, MODEL_STATES), (folder, OPTIM_STATES), (folder, "bf16_" + OPTIM_STATES),
+                    (checkpoint, "random_states_{rank}.pkl")]  # accelerate writes one RNG file per process
+        processes = max(1, *(len(list(where.glob(name.format(rank="*")))) for where, name in patterns))
     missing = [f"{CHECKPOINT_TAG}/{MODEL_STATES.format(rank=rank)}" for rank in range(processes)
                if not _non_empty(folder / MODEL_STATES.format(rank=rank))]
     for rank in range(processes):

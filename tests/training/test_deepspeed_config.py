@@ -135,3 +135,11 @@ def test_a_deepspeed_checkpoint_without_a_file_is_passed_over(tmp_path: Path) ->
     with pytest.raises(TrainingCheckpointError, match="lacks pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt,"
                                                       " scheduler.bin; it cannot be resumed"):
         _check_files(checkpoint)
+
+
+def test_a_process_whose_files_are_all_gone_is_missed(tmp_path: Path) -> None:
+    checkpoint = _deepspeed_checkpoint(tmp_path / "step-2")
+    (checkpoint / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    (checkpoint / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    assert missing_checkpoint_files(checkpoint) == ["pytorch_model/zero_pp_rank_1_mp_rank_00_model_states.pt",
+                                                    "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt"]
