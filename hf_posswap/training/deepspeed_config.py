@@ -52,6 +52,7 @@ FLAGS = ("zero3_init_flag", "zero3_save_16bit_model")
 #: ``pytorch_model``); optimizer states carry a ``bf16_`` prefix when training in bf16
 MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
 OPTIM_STATES = "zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+REPLICATED_MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO stages 0-2: the model is whole in every process
 CHECKPOINT_TAG = "pytorch_model"
 #: the attribute that marks a 0-dim parameter held as shape [1] during a DeepSpeed run
 SCALAR_MARK = "posswap_held_scalar"
@@ -149,7 +150,9 @@ def restore_scalars(model: Any, state_dict: dict[str, Any] | None) -> dict[str, 
 
 def missing_checkpoint_files(checkpoint: Path, processes: int | None = None) -> list[str] | None:
     """``None`` when ``checkpoint`` is not a DeepSpeed one (no ``pytorch_model`` folder); else the DeepSpeed files
-    it lacks, of every process (``processes``: how many wrote it; default: as many as left any file of their own)."""
+    it lacks, of every process (``processes``: how many wrote it; default: as many as left any file of their own).
+    ZeRO-3 writes model states per process; stages 0-2 one ``mp_rank_00_model_states.pt``, and stages 1-2 (any
+    optimizer states file) optimizer states per process."""
     folder = checkpoint / CHECKPOINT_TAG
     if not folder.is_dir():
         return None
@@ -157,9 +160,14 @@ def missing_checkpoint_files(checkpoint: Path, processes: int | None = None) -> 
         patterns = [(folder, MODEL_STATES), (folder, OPTIM_STATES), (folder, "bf16_" + OPTIM_STATES),
                     (checkpoint, "random_states_{rank}.pkl")]  # accelerate writes one RNG file per process
         processes = max(1, *(len(list(where.glob(name.format(rank="*")))) for where, name in patterns))
-    missing = [f"{CHECKPOINT_TAG}/{MODEL_STATES.format(rank=rank)}" for rank in range(processes)
-               if not _non_empty(folder / MODEL_STATES.format(rank=rank))]
-    for rank in range(processes):
+    if _non_empty(folder / REPLICATED_MODEL_STATES):  # ZeRO stages 0-2
+        missing = []
+        optimizer_files = any(folder.glob("*" + OPTIM_STATES.format(rank="*")))
+    else:
+        missing = [f"{CHECKPOINT_TAG}/{MODEL_STATES.format(rank=rank)}" for rank in range(processes)
+                   if not _non_empty(folder / MODEL_STATES.format(rank=rank))]
+        optimizer_files = True
+    for rank in range(processes if optimizer_files else 0):
         name = OPTIM_STATES.format(rank=rank)
         if not any(_non_empty(folder / f"{prefix}{name}") for prefix in ("", "bf16_")):
             missing.append(f"{CHECKPOINT_TAG}/{name}")

@@ -108,11 +108,14 @@ def test_fire_scalars_are_held_as_vectors_and_saved_back_as_scalars() -> None:
     assert hold_scalars_as_vectors(swapped("llama", "kerple")) == []
 
 
-def _deepspeed_checkpoint(path: Path, processes: int = 2, optimizer_prefix: str = "") -> Path:
+def _deepspeed_checkpoint(path: Path, processes: int = 2, optimizer_prefix: str = "", stage: int = 3) -> Path:
     """The files accelerate's save_state writes under DeepSpeed (names as DeepSpeed 0.19 writes them)."""
     (path / "pytorch_model").mkdir(parents=True)
+    if stage < 3:
+        torch.save({}, path / "pytorch_model" / "mp_rank_00_model_states.pt")
     for rank in range(processes):
-        torch.save({}, path / "pytorch_model" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+        if stage == 3:
+            torch.save({}, path / "pytorch_model" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
         torch.save({}, path / "pytorch_model" / f"{optimizer_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
         torch.save({}, path / f"random_states_{rank}.pkl")
     torch.save({}, path / "scheduler.bin")
@@ -120,9 +123,9 @@ def _deepspeed_checkpoint(path: Path, processes: int = 2, optimizer_prefix: str 
     return path
 
 
-@pytest.mark.parametrize("prefix", ["", "bf16_"], ids=["fp32", "bf16"])
-def test_a_deepspeed_checkpoint_is_complete(tmp_path: Path, prefix: str) -> None:
-    checkpoint = _deepspeed_checkpoint(tmp_path / "step-2", optimizer_prefix=prefix)
+@pytest.mark.parametrize(("prefix", "stage"), [("", 3), ("bf16_", 3), ("", 2)], ids=["fp32", "bf16", "zero2"])
+def test_a_deepspeed_checkpoint_is_complete(tmp_path: Path, prefix: str, stage: int) -> None:
+    checkpoint = _deepspeed_checkpoint(tmp_path / "step-2", optimizer_prefix=prefix, stage=stage)
     assert missing_checkpoint_files(checkpoint) == []
     _check_files(checkpoint)
     assert missing_checkpoint_files(tmp_path) is None  # not a DeepSpeed checkpoint
@@ -143,3 +146,9 @@ def test_a_process_whose_files_are_all_gone_is_missed(tmp_path: Path) -> None:
     (checkpoint / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     assert missing_checkpoint_files(checkpoint) == ["pytorch_model/zero_pp_rank_1_mp_rank_00_model_states.pt",
                                                     "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+
+
+def test_a_zero2_checkpoint_needs_every_processs_optimizer_states(tmp_path: Path) -> None:
+    checkpoint = _deepspeed_checkpoint(tmp_path / "step-2", stage=2)
+    (checkpoint / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    assert missing_checkpoint_files(checkpoint) == ["pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt"]
