@@ -136,7 +136,7 @@ def _weights(directory: Path) -> dict[str, torch.Tensor]:
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     assert all(a[k].shape == b[k].shape for k in a), [k for k in a if a[k].shape != b[k].shape]
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    return max(float((a[k].detach().float() - b[k].detach().float()).abs().max()) for k in a)
 
 
 @pytest.mark.slow
