@@ -62,7 +62,8 @@ def lora_config(model: nn.Module, r: int = 8, alpha: int = 16, dropout: float = 
 def save_adapter(peft_model: nn.Module, directory: str | os.PathLike[str],
                  state_dict: dict[str, Any] | None = None) -> None:
     """``peft_model.save_pretrained`` plus the swap record the adapter was trained with. ``state_dict``: the whole
-    model's state gathered beforehand (a sharded model's own parameters hold only this process's shards)."""
+    model's state gathered beforehand (the parameters of a model sharded by FSDP or DeepSpeed ZeRO-3 hold only this
+    process's shards)."""
     directory = Path(directory)
     with quiet_peft():
         peft_model.save_pretrained(directory, **({} if state_dict is None else {"state_dict": state_dict}))

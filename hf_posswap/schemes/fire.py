@@ -47,9 +47,10 @@ class FireFunction(nn.Module):
         self.initial_threshold = float(init_threshold)  # from the config: nothing to save
 
     def scalars(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(c, L) as float32 scalars, L = |threshold_scale * initial L|; both keep their graph."""
-        threshold = (self.threshold_scale.to(torch.float32) * self.initial_threshold).abs()
-        return self.c.to(torch.float32), threshold
+        """(c, L) as float32 scalars, L = |threshold_scale * initial L|; both keep their graph. (0-dim also while
+        DeepSpeed trains the parameters held as shape [1]: see hf_posswap.training.deepspeed_config.)"""
+        threshold = (self.threshold_scale.to(torch.float32).reshape(()) * self.initial_threshold).abs()
+        return self.c.to(torch.float32).reshape(()), threshold
 
     def normalized_distance(self, query_pos: torch.Tensor, key_pos: torch.Tensor, causal: bool) -> torch.Tensor:
         """psi(i - j) / psi(max(i, L)): [..., q, kv] float32. Causal: keys after the query (masked anyway) read

@@ -44,11 +44,12 @@ def read_accelerate_config(path: str | Path) -> dict[str, Any]:
 
 def fsdp_plugin_options(settings: dict[str, Any]) -> dict[str, Any] | None:
     """``FullyShardedDataParallelPlugin`` arguments from the ``fsdp_config`` section (``None`` when the file does not
-    ask for FSDP). DeepSpeed files are refused: ``finetune`` passes on FSDP settings only."""
+    ask for FSDP). DeepSpeed files are refused here: :mod:`.deepspeed_config` reads them (``finetune`` does so
+    itself)."""
     kind = str(settings.get("distributed_type", "")).upper()
     if kind == "DEEPSPEED" or settings.get("deepspeed_config"):
-        raise InvalidConfigError("The accelerate config asks for DeepSpeed; hf-posswap finetune passes on FSDP "
-                                 "settings only (distributed_type: FSDP, fsdp_version: 2).")
+        raise InvalidConfigError("The accelerate config asks for DeepSpeed, and this reads FSDP settings only: read "
+                                 "it with hf_posswap.training.deepspeed_config.plugin_from_file (finetune does).")
     section = settings.get("fsdp_config") or {}
     if kind != "FSDP":
         if section:

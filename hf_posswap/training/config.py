@@ -43,7 +43,9 @@ class FinetuneConfig:
         overwrite_output_dir: replace a previous run in ``output`` (only the files a run writes are removed).
         accelerate_config: an ``accelerate config`` file (yaml) whose FSDP settings (``distributed_type: FSDP``,
             ``fsdp_config``) are passed to ``Accelerator(fsdp_plugin=...)``; needs CUDA (on CPU the run is refused:
-            use ``hf_posswap.training.sharding.shard_model``).
+            use ``hf_posswap.training.sharding.shard_model``). Or its DeepSpeed settings (``distributed_type:
+            DEEPSPEED``, ``deepspeed_config``), passed to ``Accelerator(deepspeed_plugin=...)``, on CUDA or CPU
+            (see :mod:`hf_posswap.training.deepspeed_config`).
         progress: report the steps on stderr (a bar on a terminal, plain lines with the loss, elapsed time and ETA
             in a log), from the local main process only; ``False`` (``--no-progress``) for silence.
     """
@@ -252,7 +254,7 @@ def build_parser(prog: str = "hf-posswap finetune",
     parser.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="no",
                         help="train in reduced precision through accelerate")
     parser.add_argument("--accelerate-config", metavar="YAML",
-                        help="an `accelerate config` file whose FSDP settings shard the model (needs CUDA)")
+                        help="an `accelerate config` file whose FSDP (CUDA) or DeepSpeed settings shard the model")
     parser.add_argument("--text-field", default="text", help="jsonl / datasets field holding the text")
     for flag, text in FLAGS:
         parser.add_argument(f"--{flag}", action="store_true", help=text)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from ..errors import InvalidConfigError
 from ..persistence.quiet import LOSS_TYPE_NOTE, SHARED_TENSOR_NOTE, hidden_logs
 from ..progress import Progress, is_terminal, library_bars
 from .accelerate_config import accelerate_environment_kept
@@ -67,12 +68,13 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     check_positions(config)
     objective = resolve_objective(config)
     check_output(config)
-    with accelerate_environment_kept():  # accelerate's plugin and Accelerator set process-wide variables
-        fsdp = _fsdp_plugin(config)
-        return _accelerated(config, fsdp, documents, objective)
+    with accelerate_environment_kept():  # accelerate's plugins and Accelerator set process-wide variables
+        deepspeed = _deepspeed_plugin(config)  # a DeepSpeed file is read here, an FSDP one by _fsdp_plugin
+        fsdp = _fsdp_plugin(config) if deepspeed is None else None
+        return _accelerated(config, fsdp, deepspeed, documents, objective)
 
 
-def _accelerated(config: FinetuneConfig, fsdp, documents: list[str], objective: str) -> dict[str, Any]:
+def _accelerated(config: FinetuneConfig, fsdp, deepspeed, documents: list[str], objective: str) -> dict[str, Any]:
     """The checked run under its accelerator: output locked, trained, saved."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -82,11 +84,12 @@ def _accelerated(config: FinetuneConfig, fsdp, documents: list[str], objective: 
     accelerator = Accelerator(
         gradient_accumulation_steps=config.grad_accum,
         mixed_precision=config.mixed_precision,
-        cpu=not torch.cuda.is_available(),
+        cpu=not torch.cuda.is_available() and deepspeed is None,  # DeepSpeed on CPU: its own CPU accelerator
         fsdp_plugin=fsdp,
         # the schedule counts optimizer steps: _steps steps it once per applied update, in any number of processes
         # (accelerate's default steps it once per process per update, so N processes ran it N times too fast)
         step_scheduler_with_optimizer=False,
+        **_deepspeed_arguments(deepspeed),
     )
     if fsdp is not None:
         from .accelerate_config import check_sharding
@@ -134,6 +137,10 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
         from .accelerate_config import fit_layers_for_fsdp
 
         fit_layers_for_fsdp(model, config.mixed_precision, accelerator.state.fsdp_plugin, accelerator.device)
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:  # partitioned by DeepSpeed ZeRO
+        from .deepspeed_config import fit_model_for_deepspeed
+
+        fit_model_for_deepspeed(model)
 
     token_ids = pack(documents, tokenizer, config.seq_len)
     train_set, eval_set = train_eval_split(token_ids, config.seq_len, config.eval_fraction)
@@ -258,9 +265,46 @@ def _fsdp_plugin(config: FinetuneConfig):
                                          config.mixed_precision)
 
 
+# --- DeepSpeed (hf_posswap.training.deepspeed_config) ---------------------------------------------------------------
+
+
+def _deepspeed_plugin(config: FinetuneConfig):
+    """accelerate's DeepSpeed plugin from ``config.accelerate_config`` (``None`` without one, or when it does not
+    ask for DeepSpeed)."""
+    if config.accelerate_config is None:
+        return None
+    from .deepspeed_config import plugin_from_file
+
+    plugin = plugin_from_file(config.accelerate_config, config.grad_accum, config.max_grad_norm)
+    if plugin is not None and config.merge_lora:
+        # the merge loads the base model in the main process, which under ZeRO-3 transformers partitions with
+        # collectives that the other processes never join
+        raise InvalidConfigError("--merge-lora with a DeepSpeed accelerate config is not supported: drop --merge-lora "
+                                 "(hf-posswap commands merge a saved adapter when they load it), or train without "
+                                 "--accelerate-config.")
+    return plugin
+
+
+def _deepspeed_arguments(plugin) -> dict[str, Any]:
+    """``Accelerator`` arguments for ``plugin`` (none without one)."""
+    if plugin is None:
+        return {}
+    from .deepspeed_config import process_group_kwargs
+
+    return {"deepspeed_plugin": plugin, "kwargs_handlers": process_group_kwargs(torch.cuda.is_available())}
+
+
+# -----------------------------------------------------------------------------------------------------------------
+
+
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A parameter sharded by FSDP gathered from every process (every process must call it); others as they are."""
+    """A parameter sharded by FSDP or DeepSpeed ZeRO-3 gathered from every process (every process must call it);
+    others as they are."""
     full_tensor = getattr(tensor, "full_tensor", None)
+    if hasattr(tensor, "ds_id"):  # partitioned by DeepSpeed ZeRO-3
+        from .deepspeed_config import gathered_copy
+
+        return gathered_copy(tensor)
     return full_tensor() if callable(full_tensor) else tensor
 
 

@@ -32,6 +32,8 @@ STATE_FILE = "trainer_state.json"
 REQUIRED_FILES = ("scheduler.bin", "random_states_0.pkl")
 MODEL_FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp.bin", "pytorch_model_fsdp_0/.metadata")
 OPTIMIZER_FILES = ("optimizer.bin", "optimizer_0/.metadata")
+#: accelerate's own files beside a DeepSpeed checkpoint (whose model and optimizer files deepspeed_config lists)
+DEEPSPEED_FILES = ("scheduler.bin", "random_states_0.pkl")
 
 
 class TrainingCheckpointError(PosSwapError, ValueError):
@@ -112,6 +114,14 @@ def has_checkpoint_dirs(output: Path) -> bool:
 
 
 def _check_files(checkpoint: Path) -> None:
+    from .deepspeed_config import missing_checkpoint_files  # DeepSpeed writes its own model and optimizer files
+
+    deepspeed_missing = missing_checkpoint_files(checkpoint)
+    if deepspeed_missing is not None:
+        deepspeed_missing += [name for name in DEEPSPEED_FILES if not _non_empty(checkpoint / name)]
+        if deepspeed_missing:
+            raise TrainingCheckpointError(f"{checkpoint} lacks {', '.join(deepspeed_missing)}; it cannot be resumed.")
+        return
     missing = [name for name in REQUIRED_FILES if not _non_empty(checkpoint / name)]
     for alternatives in (MODEL_FILES, OPTIMIZER_FILES):
         if not any(_non_empty(checkpoint / name) for name in alternatives):
@@ -148,6 +158,9 @@ def save_result(accelerator, model, tokenizer, output: Path, config: FinetuneCon
     whole = accelerator.get_state_dict(model) if _sharded(accelerator) else None
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
+        from .deepspeed_config import restore_scalars  # FIRE's scalars, held as [1] for DeepSpeed
+
+        whole = restore_scalars(unwrapped, whole)
         staging = _fresh_staging(final)
         if config.lora:
             from ..persistence.adapters import save_adapter
@@ -180,7 +193,7 @@ def _merged(peft_model, adapter_dir: Path, sharded: bool):
 def _sharded(accelerator) -> bool:
     from accelerate.utils import DistributedType
 
-    return accelerator.distributed_type == DistributedType.FSDP
+    return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)  # ZeRO-3 partitions too
 
 
 def _fresh_staging(target: Path) -> Path:

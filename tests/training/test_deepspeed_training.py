@@ -1,0 +1,223 @@
+"""``finetune`` with an accelerate config that asks for DeepSpeed ZeRO-3, over 2 gloo processes on CPU (DeepSpeed's
+CPU accelerator), equals ``finetune`` in one process: the same losses, the same weights after the steps (position
+parameters included, FIRE's 0-dim ones too, sharded and trained like any weight), a final model gathered from the
+shards that reloads with its scheme, a resume from a DeepSpeed checkpoint that continues with the same losses, and
+LoRA.
+
+One spawn of 2 processes runs every DeepSpeed case; the one-process references run in the test process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import NATIVE_PAIRS, save_tiny_checkpoint, write_corpus
+
+import hf_posswap as ps
+
+pytest.importorskip("deepspeed")
+
+WORLD = 2
+BATCH = 4  # rows per optimizer step: BATCH // WORLD per process under DeepSpeed
+STEPS = 4
+CASES = [("llama", "t5"), ("llama", "kerple"), ("llama", "fire"), ("llama", "learned"), ("llama", "rope"),
+         ("gpt2", "alibi"), ("gpt2", "t5"), ("gpt2", "fire")]
+TRAINED_POSITIONS = {"t5", "kerple", "fire", "learned"}  # schemes with position parameters
+RESUMED = ("llama", "kerple")  # resumed from its DeepSpeed checkpoint at step STEPS // 2
+LORA = ("llama", "t5")
+#: ZeRO-3 with every parameter partitioned: DeepSpeed keeps parameters under stage3_param_persistence_threshold
+#: elements whole in every process, which would leave a tiny model unsharded
+ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+         "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+
+
+def _settings(root: Path, family: str, scheme: str, output: Path, **options) -> dict:
+    # a decaying schedule with warm-up: it must advance once per update in every process (DeepSpeed's engine steps it)
+    return {"model": str(root / family), "data": [str(root / "corpus" / "*.txt")], "output": str(output),
+            "scheme": scheme, "seq_len": 32, "steps": STEPS, "lr": 2e-3, "warmup_steps": 1,
+            "save_every": STEPS // 2, "eval_every": 0, "gradient_checkpointing": True, "progress": False, **options}
+
+
+def _losses(output: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (output / "loss_log.jsonl").read_text().splitlines()]
+
+
+def _learning_rates(output: Path) -> list[float]:
+    return [json.loads(line)["lr"] for line in (output / "loss_log.jsonl").read_text().splitlines()]
+
+
+# --- what every process runs -------------------------------------------------------------------------------------
+
+
+def _zero3(root: Path, family: str, scheme: str, output: Path, **options) -> dict:
+    """``finetune`` under ZeRO-3 (a fresh accelerate state: a launched process keeps its state between runs)."""
+    from accelerate.state import AcceleratorState
+
+    from hf_posswap.training import FinetuneConfig, finetune
+
+    AcceleratorState._reset_state()
+    config = FinetuneConfig(**_settings(root, family, scheme, output, batch_size=BATCH // WORLD,
+                                        accelerate_config=str(root / "zero3.yaml"), **options))
+    return finetune(config)
+
+
+def _resume_from_half_way(root: Path, straight: Path) -> Path:
+    """The straight run's directory as it was after the checkpoint at STEPS // 2 (rank 0 copies it), resumed."""
+    import torch.distributed as dist
+
+    resumed = root / "resumed"
+    if dist.get_rank() == 0:
+        shutil.copytree(straight, resumed)
+        shutil.rmtree(resumed / "final")
+        shutil.rmtree(resumed / "checkpoints" / f"step-{STEPS}")
+        (resumed / "checkpoints" / "latest").write_text(f"step-{STEPS // 2}")
+    dist.barrier()
+    _zero3(root, *RESUMED, resumed, resume=True)
+    return resumed
+
+
+def _worker(rank: int, port: int, root: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    directory = Path(root)
+    results: dict = {}
+    for family, scheme in CASES:
+        results[f"{family}-{scheme}"] = _zero3(directory, family, scheme, directory / f"zero3-{family}-{scheme}")
+    results["resumed"] = str(_resume_from_half_way(directory, directory / f"zero3-{RESUMED[0]}-{RESUMED[1]}"))
+    results["lora"] = _zero3(directory, *LORA, directory / "zero3-lora", lora=True)
+    if rank == 0:
+        (directory / "zero3.json").write_text(json.dumps(results))
+
+
+def _spawn(root: Path) -> dict:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torch.multiprocessing.spawn(_worker, args=(port, str(root)), nprocs=WORLD, join=True)
+    return json.loads((root / "zero3.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from hf_posswap.training import FinetuneConfig, finetune
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < WORLD:  # DeepSpeed then takes a GPU per process
+        pytest.skip(f"needs {WORLD} GPUs, or none (DeepSpeed's CPU accelerator over gloo)")
+    root = tmp_path_factory.mktemp("zero3")
+    for family in ("llama", "gpt2"):
+        save_tiny_checkpoint(family, root / family)
+    (root / "corpus").mkdir()
+    write_corpus(root / "corpus")
+    (root / "zero3-deepspeed.json").write_text(json.dumps(ZERO3))
+    (root / "zero3.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n"
+                                     f"  deepspeed_config_file: {root / 'zero3-deepspeed.json'}\n")
+    results = _spawn(root)
+    for family, scheme, lora in [*((f, s, False) for f, s in CASES), (*LORA, True)]:
+        output = root / (f"alone-{family}-{scheme}" + ("-lora" if lora else ""))
+        results[output.name] = finetune(FinetuneConfig(**_settings(root, family, scheme, output, batch_size=BATCH,
+                                                                  lora=lora)))
+    results["root"] = root
+    return results
+
+
+# --- the checks --------------------------------------------------------------------------------------------------
+
+
+def _weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(directory / "model.safetensors")
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    assert all(a[k].shape == b[k].shape for k in a), [k for k in a if a[k].shape != b[k].shape]
+    return max(float((a[k].detach().float() - b[k].detach().float()).abs().max()) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "scheme"), CASES, ids=[f"{f}-{s}" for f, s in CASES])
+def test_zero3_steps_equal_one_process(runs: dict, family: str, scheme: str) -> None:
+    root = runs["root"]
+    zero3, alone = root / f"zero3-{family}-{scheme}", root / f"alone-{family}-{scheme}"
+    result, reference = runs[f"{family}-{scheme}"], runs[f"alone-{family}-{scheme}"]
+    assert result["steps"] == STEPS
+    # the trained weights' sum, gathered from the partitions (an ungathered ZeRO-3 parameter sums to 0)
+    assert result["parameter_checksum"] == pytest.approx(reference["parameter_checksum"], rel=1e-4)
+    assert _losses(zero3) == pytest.approx(_losses(alone), abs=1e-5)  # measured: within 4e-6
+    sharded, whole = _weights(zero3 / "final"), _weights(alone / "final")
+    # AdamW moves a weight by about lr whatever its gradient's size, so a near-zero gradient that differs in its
+    # last bits moves it visibly differently: every weight within 1e-3 (measured: 3.3e-4, lr 2e-3)
+    assert _max_diff(sharded, whole) < 1e-3
+    if scheme in TRAINED_POSITIONS:  # sharded and trained like any weight (FIRE's 0-dim ones held as [1])
+        half_way = _weights(alone / "checkpoints" / f"step-{STEPS // 2}")
+        positions = [name for name in whole if "posswap_positions" in name]
+        moved = {name: _max_diff({name: whole[name]}, {name: half_way[name]}) for name in positions}
+        # a parameter whose gradient is rounding noise (FIRE's output bias: softmax ignores a bias equal for every
+        # key) moves by less; the others moved 1.4e-3 .. 4e-3 over the last steps
+        trained = [name for name in positions if moved[name] > 1e-4]
+        assert trained, moved
+        if scheme == "fire":
+            assert {name.rsplit(".", 1)[1] for name in trained} >= {"c", "threshold_scale"}
+        for name in trained:  # measured: within 3.4e-3 * moved (gpt2's T5 table)
+            assert _max_diff({name: sharded[name]}, {name: whole[name]}) <= 1e-2 * moved[name], name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "scheme"), CASES, ids=[f"{f}-{s}" for f, s in CASES])
+def test_zero3_final_model_is_the_gathered_shards_and_reloads_with_its_scheme(runs: dict, family: str,
+                                                                              scheme: str) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    root = runs["root"]
+    zero3 = root / f"zero3-{family}-{scheme}"
+    saved = _weights(zero3 / "final")
+    # the last checkpoint (at the last step) consolidated from every process's ZeRO-3 partitions by DeepSpeed
+    shards = get_fp32_state_dict_from_zero_checkpoint(str(zero3 / "checkpoints" / f"step-{STEPS}"),
+                                                      tag="pytorch_model")
+    tied = set(shards) - set(saved)  # GPT-2's head, tied to the embedding, is written once
+    assert tied <= {"lm_head.weight"} and set(saved) <= set(shards)
+    # FIRE's 0-dim parameters, held as [1] by DeepSpeed, are written back 0-dim
+    assert _max_diff(saved, {name: shards[name].reshape(saved[name].shape) for name in saved}) == 0.0
+    sharded = AutoModelForCausalLM.from_pretrained(zero3 / "final").eval()
+    alone = AutoModelForCausalLM.from_pretrained(root / f"alone-{family}-{scheme}" / "final").eval()
+    assert ps.describe(sharded).scheme == ("native" if (family, scheme) in NATIVE_PAIRS else scheme)
+    tokens = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        difference = (sharded(input_ids=tokens).logits - alone(input_ids=tokens).logits).abs().max()
+    assert float(difference) < 1e-3  # measured: 2.1e-4 (the AdamW spread above)
+
+
+@pytest.mark.slow
+def test_zero3_resume_from_a_deepspeed_checkpoint_gives_the_same_losses(runs: dict) -> None:
+    from hf_posswap.training.state import checkpoints_newest_first
+
+    root, resumed = runs["root"], Path(runs["resumed"])
+    straight = root / f"zero3-{RESUMED[0]}-{RESUMED[1]}"
+    assert _losses(resumed) == pytest.approx(_losses(straight), abs=1e-6)
+    valid, rejected = checkpoints_newest_first(straight)
+    assert [path.name for path, _ in valid] == [f"step-{STEPS}", f"step-{STEPS // 2}"] and not rejected
+    assert (straight / "checkpoints" / f"step-{STEPS}" / "pytorch_model").is_dir()  # DeepSpeed's own files
+    assert _max_diff(_weights(resumed / "final"), _weights(straight / "final")) < 1e-6
+
+
+@pytest.mark.slow
+def test_zero3_lora_trains_the_adapter_and_the_position_parameters(runs: dict) -> None:
+    from safetensors.torch import load_file
+
+    root = runs["root"]
+    zero3, alone = root / "zero3-lora", root / f"alone-{LORA[0]}-{LORA[1]}-lora"
+    assert _losses(zero3) == pytest.approx(_losses(alone), abs=1e-5)
+    assert _learning_rates(zero3) == pytest.approx(_learning_rates(alone), rel=1e-12)
+    sharded = load_file(zero3 / "adapter" / "adapter_model.safetensors")
+    whole = load_file(alone / "adapter" / "adapter_model.safetensors")
+    assert any("posswap_positions" in name for name in whole)
+    assert _max_diff(sharded, whole) < 1e-3  # AdamW's spread, as above (measured: 1.1e-5)
