@@ -149,9 +149,9 @@ class Rank:
         """This rank's input: the whole sequence, or under ``cp`` its contiguous shard; [1, length or shard]."""
         import torch
 
-        ids = torch.randint(3, self.vocab, (1, length), generator=torch.Generator().manual_seed(length + self.rank))
+        seed = length if self.config == "cp" else length + self.rank  # cp: every rank draws the same sequence
+        ids = torch.randint(3, self.vocab, (1, length), generator=torch.Generator().manual_seed(seed))
         if self.config == "cp":
-            ids = torch.randint(3, self.vocab, (1, length), generator=torch.Generator().manual_seed(length))
             ids = ids.tensor_split(self.world, dim=1)[self.rank]  # [1, length // world]
         return ids.to(self.device)
 
