@@ -64,6 +64,7 @@ NOT_RUN = {
         "trains 14 tiny models (11 min); tests/scripts/test_benchmarks.py runs it for a few steps",
     "accelerate launch": "needs two processes; tests/training/test_finetune.py::test_two_processes_train_data_parallel "
                          "runs finetune() under the same launcher",
+    "pip install hf_posswap[deepspeed]": "installs the DeepSpeed extra, which scripts/setup.sh installs for the tests",
 }
 
 
