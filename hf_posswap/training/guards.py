@@ -235,7 +235,17 @@ def learned_table_length(model: torch.nn.Module) -> int | None:
 
 
 def all_finite(parameters: list[torch.nn.Parameter]) -> bool:
-    return all(bool(torch.isfinite(p.detach()).all()) for p in parameters)
+    """Whether every value of ``parameters`` is finite, in every process. FSDP's parameters are DTensors (their
+    check spans the processes); DeepSpeed ZeRO-3 leaves an empty placeholder in the parameter and this process's
+    partition in ``ds_tensor``, so those partitions are checked and the answer agreed over the processes."""
+    partitioned = any(hasattr(p, "ds_tensor") for p in parameters)
+    local = [getattr(p, "ds_tensor", p) for p in parameters]
+    finite_here = all(bool(torch.isfinite(t.detach()).all()) for t in local)
+    if not (partitioned and torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return finite_here
+    flag = torch.tensor([0.0 if finite_here else 1.0], device=local[0].device)
+    torch.distributed.all_reduce(flag)  # every process must stop together, or the others would wait forever
+    return float(flag) == 0.0
 
 
 def diverged(step: int, what: str, value: float, config: FinetuneConfig, last_good: Path | None) -> PosSwapError:

@@ -152,3 +152,17 @@ def test_a_zero2_checkpoint_needs_every_processs_optimizer_states(tmp_path: Path
     checkpoint = _deepspeed_checkpoint(tmp_path / "step-2", stage=2)
     (checkpoint / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
     assert missing_checkpoint_files(checkpoint) == ["pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+
+
+def test_the_finite_check_reads_zero3_partitions() -> None:
+    """Under ZeRO-3 a parameter is an empty placeholder and this process's values sit in ``ds_tensor``: a NaN there
+    must stop the run before it is saved (checking the placeholder finds nothing)."""
+    import torch
+
+    from hf_posswap.training.guards import all_finite
+
+    placeholder = torch.nn.Parameter(torch.empty(0))
+    placeholder.ds_tensor = torch.tensor([1.0, float("nan")])
+    assert not all_finite([placeholder])
+    placeholder.ds_tensor = torch.tensor([1.0, 2.0])
+    assert all_finite([placeholder, torch.nn.Parameter(torch.ones(3))])
