@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidConfigError, one_line
+from ..errors import InvalidConfigError
+from .accelerate_file import read_accelerate_config
 from .sharding import PRECISIONS
 
 #: ``fsdp_config`` keys whose plugin argument is not the key without its ``fsdp_`` prefix (accelerate's launcher
@@ -26,20 +27,6 @@ RENAMED = {"offload_params": "cpu_offload", "transformer_layer_cls_to_wrap": "tr
 ACCELERATE_VARIABLES = ("ACCELERATE_", "FSDP_")
 CPU_ADVICE = ("FSDP through accelerate needs CUDA (without it accelerate trains plain data parallel, unsharded); on "
               "CPU shard with hf_posswap.training.sharding.shard_model (FSDP2 over gloo) in your own loop.")
-
-
-def read_accelerate_config(path: str | Path) -> dict[str, Any]:
-    """The settings of an ``accelerate config`` file (yaml, or json which yaml also reads)."""
-    import yaml
-
-    source = Path(path).expanduser()
-    try:
-        settings = yaml.safe_load(source.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
-        raise InvalidConfigError(f"accelerate config {str(path)!r} cannot be read: {one_line(error)}.") from None
-    if not isinstance(settings, dict):
-        raise InvalidConfigError(f"accelerate config {str(path)!r} must be a mapping of settings (accelerate config).")
-    return settings
 
 
 def fsdp_plugin_options(settings: dict[str, Any]) -> dict[str, Any] | None:

@@ -217,7 +217,7 @@ def _non_empty(path: Path) -> bool:
 def plugin_from_file(path: str | Path, grad_accum: int, max_grad_norm: float) -> Any:
     """The ``DeepSpeedPlugin`` the ``accelerate config`` file at ``path`` asks for; ``None`` when it does not ask
     for DeepSpeed (an FSDP file, or one that asks for no sharding)."""
-    from .accelerate_config import read_accelerate_config
+    from .accelerate_file import read_accelerate_config
 
     settings = read_accelerate_config(path)
     return deepspeed_plugin(settings, grad_accum, max_grad_norm) if asks_for_deepspeed(settings) else None
