@@ -40,6 +40,7 @@ from ..transformers_internals import (
     find_cache_in_output,
     self_attention_layers,
 )
+from .input_positions import check_position_ids, explicit_positions, padded_positions
 from .rotary_cache import MARKER, refuse_foreign_rotation, rotates_once
 
 CONTEXT_KWARG = "posswap_context"
@@ -151,63 +152,6 @@ class PositionContext:
         return max(self.query_offset + q_len - kv_len, 0)
 
 
-def _explicit_positions(kwargs: dict[str, Any], query_offset: int, cache: Any) -> torch.Tensor | None:
-    """Position ids the caller passed for a whole unpadded sequence (no cache): attention then uses them instead
-    of token indices, so position-skipping training (PoSE) reaches every scheme. With padding or a cache, index
-    distances are used (they equal position distances there)."""
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None or query_offset != 0 or cache is not None:
-        return None
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
-        _check_index_distances(position_ids, mask)
-        return None
-    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
-        return None
-    reference = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-    batch = reference.shape[0] if reference is not None else position_ids.shape[0]
-    return position_ids.expand(batch, -1)
-
-
-def _check_index_distances(position_ids: torch.Tensor, mask: torch.Tensor) -> None:
-    """A padded batch is placed by index distances (between real tokens, the padding skipped): refuse position ids
-    whose distances differ from those (ids that jump, as PoSE's do) instead of silently not using them."""
-    real = mask.bool()  # [B, T]
-    if position_ids.shape[-1] != real.shape[-1]:
-        return
-    offsets = position_ids.expand_as(real) - (real.long().cumsum(-1) - 1)  # constant along a row when they agree
-    low = torch.where(real, offsets, offsets.new_tensor(torch.iinfo(torch.long).max)).amin(-1)
-    high = torch.where(real, offsets, offsets.new_tensor(torch.iinfo(torch.long).min)).amax(-1)
-    rows = ((high > low) & real.any(-1)).nonzero().flatten().tolist()
-    if rows:
-        raise InvalidConfigError(
-            f"position_ids of the padded rows {rows[:5]} skip positions (their distances differ from the distances "
-            "between the row's real tokens); a padded batch is placed by token distances. Pass position ids that "
-            "count the real tokens (attention_mask.cumsum(-1) - 1), or such rows without padding."
-        )
-
-
-def _padded_positions(mask: Any) -> torch.Tensor | None:
-    """Positions [B, T] that skip padding (0 on pads), from a 2D attention mask with padding; else None."""
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool(mask.all()):
-        return None
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def _check_position_ids(kwargs: dict[str, Any]) -> None:
-    """position_ids must have one entry per input token: [B or 1, L]."""
-    position_ids = kwargs.get("position_ids")
-    reference = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-    if position_ids is None or reference is None or not isinstance(position_ids, torch.Tensor):
-        return
-    length = reference.shape[1]
-    if position_ids.dim() not in (1, 2) or position_ids.shape[-1] != length:
-        raise InvalidConfigError(
-            f"position_ids has shape {tuple(position_ids.shape)} but the input has {length} tokens per row; pass "
-            f"position_ids of shape [batch, {length}] (or [1, {length}]), or leave them out."
-        )
-
-
 @functools.cache
 def _parameter_names(forward: Callable[..., Any]) -> tuple[str, ...]:
     """The parameter names of a model class's ``forward``, without ``self`` (looked up once per class)."""
@@ -253,7 +197,7 @@ class PositionHook:
             kwargs.update(zip(names, args, strict=False))
         if self.feeds_attention:
             self._check_attention_implementation(base)
-        _check_position_ids(kwargs)
+        check_position_ids(kwargs)
         cache = find_cache(kwargs, f"{type(base).__name__}.forward")
         query_offset = cache_length(cache)
         shard = self.ring.prepare(kwargs, cache) if self.ring is not None else None
@@ -278,12 +222,12 @@ class PositionHook:
                 self.self_extend,
             )
             # under context parallelism the shard carries the whole sequence's position ids (RingShard.explicit)
-            context.row_positions = None if shard is not None else _explicit_positions(kwargs, query_offset, cache)
+            context.row_positions = None if shard is not None else explicit_positions(kwargs, query_offset, cache)
             context.cache = cache
             context.layers = self.layers
             context.ring = shard
             if self.self_extend is not None or (self.layers is not None and self.layers.needs_padded_positions):
-                context.padded_positions = _padded_positions(kwargs.get("attention_mask"))
+                context.padded_positions = padded_positions(kwargs.get("attention_mask"))
             kwargs[CONTEXT_KWARG] = context
         return (), kwargs, ForwardCheck(cache is not None, _new_tokens(kwargs), context)
 

@@ -29,8 +29,8 @@ BUNDLED = (
     "schemes/proportional",
     "families/base", "families/gpt2", "families/bert", "families/llama", "families/gemma3",
     "families/phi3", "families/gpt_neox", "families/roberta", "core/state", "core/native", "core/rotation",
-    "core/rotary_cache", "core/context", "core/paths", "core/two_pass_fused", "core/self_extend", "core/flex_bias",
-    "core/attention",
+    "core/rotary_cache", "core/input_positions", "core/context", "core/paths", "core/two_pass_fused",
+    "core/self_extend", "core/flex_bias", "core/attention",
     "core/mix", "core/swap", "core/extend",
     "persistence/autoload", "persistence/restore",
 )

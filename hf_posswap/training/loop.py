@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from ..errors import InvalidConfigError
 from ..persistence.quiet import LOSS_TYPE_NOTE, SHARED_TENSOR_NOTE, hidden_logs
 from ..progress import Progress, is_terminal, library_bars
 from .accelerate_config import accelerate_environment_kept
+from .accelerators import fit_for_sharding, fresh_accelerate_state, make_accelerator, sharding_plugins, whole_tensor
 from .config import FinetuneConfig
 from .data import expand_paths, pack, read_documents, train_eval_split
 from .guards import (
@@ -62,39 +62,22 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     from ..persistence.autoload import register
 
     register()  # swapped checkpoints' configs are read below (the hf-posswap command registers only when it runs)
-    _fresh_accelerate_state()
+    fresh_accelerate_state()
     documents = read_documents(expand_paths(config.data), config.text_field)  # bad data fails before any loading
     check_model_path(config.model)
     check_positions(config)
     objective = resolve_objective(config)
     check_output(config)
     with accelerate_environment_kept():  # accelerate's plugins and Accelerator set process-wide variables
-        deepspeed = _deepspeed_plugin(config)  # a DeepSpeed file is read here, an FSDP one by _fsdp_plugin
-        fsdp = _fsdp_plugin(config) if deepspeed is None else None
+        fsdp, deepspeed = sharding_plugins(config)
         return _accelerated(config, fsdp, deepspeed, documents, objective)
 
 
 def _accelerated(config: FinetuneConfig, fsdp, deepspeed, documents: list[str], objective: str) -> dict[str, Any]:
     """The checked run under its accelerator: output locked, trained, saved."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    # cpu=True on machines without CUDA makes torchrun-launched processes (`accelerate launch --multi_gpu`,
-    # `torchrun`) train data-parallel over gloo instead of each running alone.
-    accelerator = Accelerator(
-        gradient_accumulation_steps=config.grad_accum,
-        mixed_precision=config.mixed_precision,
-        cpu=not torch.cuda.is_available() and deepspeed is None,  # DeepSpeed on CPU: its own CPU accelerator
-        fsdp_plugin=fsdp,
-        # the schedule counts optimizer steps: _steps steps it once per applied update, in any number of processes
-        # (accelerate's default steps it once per process per update, so N processes ran it N times too fast)
-        step_scheduler_with_optimizer=False,
-        **_deepspeed_arguments(deepspeed),
-    )
-    if fsdp is not None:
-        from .accelerate_config import check_sharding
-
-        check_sharding(accelerator, config.accelerate_config)
+    accelerator = make_accelerator(config, fsdp, deepspeed)
     set_seed(config.seed)
     output = Path(config.output).expanduser()
     lock = _own_output(output, accelerator, config)
@@ -133,14 +116,7 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
         enable_checkpointing(model)
     if config.lora:
         model = with_lora(model, config)
-    if getattr(accelerator.state, "fsdp_plugin", None) is not None:  # sharded by accelerate (CUDA only)
-        from .accelerate_config import fit_layers_for_fsdp
-
-        fit_layers_for_fsdp(model, config.mixed_precision, accelerator.state.fsdp_plugin, accelerator.device)
-    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:  # partitioned by DeepSpeed ZeRO
-        from .deepspeed_config import fit_model_for_deepspeed
-
-        fit_model_for_deepspeed(model)
+    fit_for_sharding(model, accelerator, config)
 
     token_ids = pack(documents, tokenizer, config.seq_len)
     train_set, eval_set = train_eval_split(token_ids, config.seq_len, config.eval_fraction)
@@ -170,7 +146,7 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
     if not all_finite(trainable):
         raise diverged(position["step"], "final weights' value", math.nan, config, _last_saved(output))
     result_dir = save_result(accelerator, model, tokenizer, output, config)
-    checksum = float(sum(_whole(p).detach().double().sum() for p in trainable))  # equal in every process
+    checksum = float(sum(whole_tensor(p).detach().double().sum() for p in trainable))  # equal in every process
     return {
         "train_loss": last_loss,
         "eval_loss": eval_loss,
@@ -252,69 +228,6 @@ def _check_gradients(accelerator, trainable, config: FinetuneConfig, step: int, 
 
 
 # --- pieces ---------------------------------------------------------------------------------------------------
-
-
-def _fsdp_plugin(config: FinetuneConfig):
-    """accelerate's FSDP plugin from ``config.accelerate_config`` (``None`` without one, or when it asks for no
-    sharding); refused where accelerate would not shard (see :mod:`.accelerate_config`)."""
-    if config.accelerate_config is None:
-        return None
-    from . import accelerate_config
-
-    return accelerate_config.fsdp_plugin(config.accelerate_config, accelerate_config.accelerate_can_shard(),
-                                         config.mixed_precision)
-
-
-# --- DeepSpeed (hf_posswap.training.deepspeed_config) ---------------------------------------------------------------
-
-
-def _deepspeed_plugin(config: FinetuneConfig):
-    """accelerate's DeepSpeed plugin from ``config.accelerate_config`` (``None`` without one, or when it does not
-    ask for DeepSpeed)."""
-    if config.accelerate_config is None:
-        return None
-    from .deepspeed_config import plugin_from_file
-
-    plugin = plugin_from_file(config.accelerate_config, config.grad_accum, config.max_grad_norm)
-    if plugin is not None and config.merge_lora:
-        # the merge loads the base model in the main process, which under ZeRO-3 transformers partitions with
-        # collectives that the other processes never join
-        raise InvalidConfigError("--merge-lora with a DeepSpeed accelerate config is not supported: drop --merge-lora "
-                                 "(hf-posswap commands merge a saved adapter when they load it), or train without "
-                                 "--accelerate-config.")
-    return plugin
-
-
-def _deepspeed_arguments(plugin) -> dict[str, Any]:
-    """``Accelerator`` arguments for ``plugin`` (none without one)."""
-    if plugin is None:
-        return {}
-    from .deepspeed_config import process_group_kwargs
-
-    return {"deepspeed_plugin": plugin, "kwargs_handlers": process_group_kwargs(torch.cuda.is_available())}
-
-
-# -----------------------------------------------------------------------------------------------------------------
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A parameter sharded by FSDP or DeepSpeed ZeRO-3 gathered from every process (every process must call it);
-    others as they are."""
-    full_tensor = getattr(tensor, "full_tensor", None)
-    if hasattr(tensor, "ds_id"):  # partitioned by DeepSpeed ZeRO-3
-        from .deepspeed_config import gathered_copy
-
-        return gathered_copy(tensor)
-    return full_tensor() if callable(full_tensor) else tensor
-
-
-def _fresh_accelerate_state() -> None:
-    """accelerate keeps one global state per process; a second run in the same (non-distributed) process may ask
-    for other settings (mixed precision), so start from a clean one. Launched process groups are left alone."""
-    from accelerate.state import AcceleratorState
-
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def _collator(tokenizer, objective: str, config: FinetuneConfig):
