@@ -136,6 +136,7 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
     position, checkpoint = {"step": 0, "epoch": 0, "batches_in_epoch": 0}, None
     if resume is not None:
         checkpoint, position = load_checkpoint(accelerator, resume, config)
+    first_step = position["step"]  # 0, or the step a resumed run continues from
     _start_record(config, accelerator, output, position["step"], resume)
     parts = {"model": model, "teacher": teacher, "optimizer": optimizer, "scheduler": scheduler,
              "train_loader": train_loader, "eval_loader": eval_loader, "trainable": trainable}
@@ -152,6 +153,7 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
         "eval_loss": eval_loss,
         "output": str(result_dir),
         "steps": position["step"],
+        "first_step": first_step,
         "parameter_checksum": checksum,
     }
 

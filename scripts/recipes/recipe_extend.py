@@ -204,8 +204,7 @@ def markdown(results: dict) -> str:
                      + " | ".join(cells) + " |")
     training, verdict = results["training"], results["targets"]
     lines += ["", f"Training: {training['steps']} steps x {settings['batch_size']} x {settings['seq_len']:,} tokens = "
-              f"{training['tokens']:,} tokens ({training['split']}), {training['seconds']:.0f} s "
-              f"({training['seconds'] / max(training['steps'], 1):.1f} s per step, including loading and saving); "
+              f"{training['tokens']:,} tokens ({training['split']}), {training_time(training)}; "
               f"LoRA r {settings['lora_r']}, lr {settings['lr']:g}, PoSE over {settings['to']:,} positions.",
               f"Targets: reference window <= {TARGET_WINDOW} -> {verdict['window']}; first {settings['inside']:,} "
               f"tokens <= {TARGET_INSIDE_RATIO} x native -> {verdict['inside']} "
@@ -229,6 +228,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def training_time(training: dict) -> str:
+    """The training's time per step, over the steps this invocation ran (a resumed run timed only its own part)."""
+    first = training.get("first_step", 0)
+    ran = max(training["steps"] - first, 1)
+    per_step = f"{training['seconds'] / ran:.1f} s per step, including loading and saving"
+    if first:
+        return f"resumed at step {first}: its last {ran} steps took {training['seconds']:.0f} s ({per_step})"
+    return f"{training['seconds']:.0f} s ({per_step})"
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     with library_bars(is_terminal(sys.stderr)):  # transformers' loading bars only on a terminal, not in a log
@@ -238,7 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
 def readme_body(results: dict, readme: Path) -> str:
     """The page's section: the command and its table."""
     command = "python scripts/recipes/recipe_extend.py" + (" --quick" if results["mode"] == "quick" else "")
-    return (f"`{command} --readme {shown_path(readme)}` ({results['seconds'] / 60:.0f} min in all on "
+    resumed = " for the resumed part" if results["training"].get("first_step") else ""
+    return (f"`{command} --readme {shown_path(readme)}` ({results['seconds'] / 60:.0f} min in all{resumed} on "
             f"{results['threads']} CPU threads, Python {results['python']}):\n\n{markdown(results)}")
 
 
@@ -304,7 +314,8 @@ def run(args: argparse.Namespace) -> dict:
         "mode": "quick" if args.quick else "full",
         "model": str(base),
         "settings": dataclasses.asdict(settings),
-        "training": {"steps": run["steps"], "tokens": run["steps"] * settings.batch_size * settings.seq_len,
+        "training": {"steps": run["steps"], "first_step": run.get("first_step", 0),
+                     "tokens": run["steps"] * settings.batch_size * settings.seq_len,
                      "seconds": run["train_seconds"], "train_loss": run["train_loss"], "eval_loss": run["eval_loss"],
                      "files": names, "split": f"stdlib top-level modules {names[0]} .. {names[-1]} ({len(names)} "
                      f"files, sorted, no '_' names, without {', '.join(REFERENCE_FILES)})"},

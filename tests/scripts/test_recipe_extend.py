@@ -254,6 +254,15 @@ def test_recipe_script_quick_mode_writes_its_table(tmp_path: Path) -> None:
     assert table in readme.read_text(encoding="utf-8")
 
 
+def test_recipe_times_a_resumed_training_over_the_steps_it_ran() -> None:
+    sys.path.insert(0, str(ROOT / "scripts" / "recipes"))
+    import recipe_extend
+
+    resumed = recipe_extend.training_time({"steps": 144, "first_step": 75, "seconds": 966.0})
+    assert resumed.startswith("resumed at step 75: its last 69 steps took 966 s (14.0 s per step")
+    assert recipe_extend.training_time({"steps": 144, "seconds": 1440.0}).startswith("1440 s (10.0 s per step")
+
+
 BAD_EXTENSION = {  # id: extension arguments that only the extension itself (after the output was locked) refuses
     "default-method-factor-0": (["--option", "factor=0"], "factor must be"),
     "rerope-window-past-length": (["--method", "rerope", "--option", "window=100"], "window=100"),

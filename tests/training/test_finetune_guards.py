@@ -180,10 +180,11 @@ def test_resume_falls_back_to_the_newest_valid_checkpoint(workspace, tmp_path, c
 def test_resume_with_a_deleted_checkpoint_does_not_restart_at_step_zero(workspace, tmp_path) -> None:
     import shutil
 
-    run(workspace, tmp_path, steps=4, save_every=2)
+    assert run(workspace, tmp_path, steps=4, save_every=2)["first_step"] == 0
     shutil.rmtree(tmp_path / "checkpoints" / "step-4")  # the step `latest` names
     result = run(workspace, tmp_path, steps=4, save_every=2, resume=True)
     assert result["steps"] == 4 and steps_logged(tmp_path) == [1, 2, 3, 4]
+    assert result["first_step"] == 2  # what a caller needs to time the resumed part per step
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-2", "step-4"]
 
 
