@@ -49,19 +49,19 @@ NOT_RUN = {
                         "into fresh environments of each tested transformers release and runs the suite there",
     "python scripts/benchmarks/bench_tiny.py --device cuda":
         "trains 14 tiny models x 10,000 steps on a GPU (hours on CPU); its --quick mode runs in "
-        "tests/scripts/test_benchmarks.py",
+        "tests/scripts/test_bench_tiny_command.py",
     "python scripts/benchmarks/bench_tiny.py --schemes":
-        "trains a tiny model for 10,000-20,000 steps per run (16-59 min on 2 cores); tests/scripts/test_benchmarks.py "
+        "trains a tiny model for 10,000-20,000 steps per run (16-59 min on 2 cores); tests/scripts/test_bench_tiny.py "
         "runs scheme options and probes for a few steps",
     "python scripts/benchmarks/bench_tiny.py --report":
-        "merges runs' results (GPU seeds, CPU parts); tests/scripts/test_benchmarks.py tests the merge",
+        "merges runs' results (GPU seeds, CPU parts); tests/scripts/test_bench_tiny_report.py tests the merge",
     "python -m pytest": "is this test suite (CONTRIBUTING's commands to run it)",
     "ruff check": "lint; a development tool, not a package dependency",
     "bash scripts/gpu_check.sh": "needs a CUDA GPU; its --rehearse mode runs the same steps on the CPU by hand",
     "python scripts/benchmarks/bench_speed.py":
-        "measures for minutes to most of an hour; tests/scripts/test_benchmarks.py runs it on tiny settings",
+        "measures for minutes to most of an hour; tests/scripts/test_bench_speed.py runs it on tiny settings",
     "python scripts/benchmarks/bench_tiny.py --quick":
-        "trains 14 tiny models (11 min); tests/scripts/test_benchmarks.py runs it for a few steps",
+        "trains 14 tiny models (11 min); tests/scripts/test_bench_tiny_command.py runs it for a few steps",
     "accelerate launch": "needs two processes; tests/training/test_finetune.py::test_two_processes_train_data_parallel "
                          "runs finetune() under the same launcher",
     "pip install hf_posswap[deepspeed]": "installs the DeepSpeed extra, which scripts/setup.sh installs for the tests",
