@@ -179,6 +179,7 @@ def main() -> None:
     try:
         for name, padded, *gapped in cases:
             print(json.dumps(run_case(name, padded, rank, world, gapped == ["gapped"])), flush=True)
+        dist.barrier()  # no process tears its connections down while another still works
     finally:
         dist.destroy_process_group()
 

@@ -217,14 +217,18 @@ def _worker(rank: int, port: int, task: str, directory: str) -> None:
             results["resumed"] = _resume_run(rank, root / "run", latest_sharded_checkpoint(root / "run"))
         if rank == 0:
             (root / f"{task}.json").write_text(json.dumps(results))
+        dist.barrier()  # no process tears its connections down while another still works
     finally:
         dist.destroy_process_group()
 
 
 def _spawn(task: str, directory: Path, attempts: int = 3) -> dict:
-    """Run ``task`` in WORLD fresh processes. A process killed by a signal is retried: gloo on 2 shared CPU cores
-    sometimes aborts one ("terminate called without an active exception", seen in about 1 run of 4 of this file);
-    a wrong number is never retried, the checks read what a completed run wrote."""
+    """Run ``task`` in WORLD fresh processes. A process killed by a signal is retried: on 2 CPU cores one process
+    sometimes dies inside torch's gloo collectives (2 of 26 runs of this file here): SIGABRT ("terminate called
+    without an active exception") or SIGSEGV, which a faulthandler trace placed in the functional collectives'
+    ``wait_tensor`` while ``get_model_state_dict`` gathered the full state (it did not happen with FSDP2 alone on
+    plain Linear layers in 400 gathers). A wrong number is never retried: the checks read what a completed run
+    wrote."""
     for attempt in range(attempts):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
