@@ -55,7 +55,8 @@ class EpochShuffle(Sampler[int]):
 
 
 def finetune(config: FinetuneConfig) -> dict[str, Any]:
-    """Run ``config``; returns the final train / eval losses and where the result was written.
+    """Run ``config``; returns the final train / eval losses, where the result was written, the last step and
+    ``first_step`` (0, or the step a resumed run continued from).
 
     Every check that needs no model runs first (data files, ``--model`` path, objective, ``--output``); then the
     output directory is locked for the run. Errors are :class:`~hf_posswap.errors.PosSwapError` subclasses."""
