@@ -165,6 +165,15 @@ def swapped(family: str, scheme: str, attn: str = "sdpa", seed: int = 0) -> torc
     return model
 
 
+def left_padded(rows: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` of token ids right-aligned in one batch: (input_ids [len(rows), length], attention_mask), pads 0."""
+    batch = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for i, row in enumerate(rows):
+        batch[i, length - len(row):], mask[i, length - len(row):] = row, 1
+    return batch, mask
+
+
 def padding_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Padding-aware position ids, built as generate() builds them."""
     position_ids = attention_mask.long().cumsum(-1) - 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import padding_position_ids
+from conftest import left_padded, padding_position_ids
 from mix_models import CAUSAL, LAYERS, MIXES, cases, generate, logits, make_model, mixed, tokens
 
 import hf_posswap as ps
@@ -41,10 +41,7 @@ def test_eager_matches_sdpa_with_padding(key: str) -> None:
 def test_left_padded_forward_equals_rows_alone(key: str) -> None:
     model = mixed(key)
     rows = [tokens(1, 12, seed=4)[0], tokens(1, 7, seed=5)[0]]
-    batch = torch.zeros(2, 12, dtype=torch.long)
-    mask = torch.zeros_like(batch)
-    for i, row in enumerate(rows):
-        batch[i, 12 - len(row):], mask[i, 12 - len(row):] = row, 1
+    batch, mask = left_padded(rows, 12)
     together = logits(model, batch, attention_mask=mask, position_ids=padding_position_ids(mask))
     for i, row in enumerate(rows):
         torch.testing.assert_close(together[i, 12 - len(row):], logits(model, row[None])[0], atol=1e-5, rtol=1e-4)
@@ -69,10 +66,7 @@ def test_cached_generation_equals_recompute(key: str, attn: str) -> None:
 def test_left_padded_generation_equals_rows_alone(key: str) -> None:
     model = mixed(key)
     rows = [tokens(1, 10, seed=2)[0], tokens(1, 6, seed=3)[0]]
-    batch = torch.zeros(2, 10, dtype=torch.long)
-    mask = torch.zeros_like(batch)
-    for i, row in enumerate(rows):
-        batch[i, 10 - len(row):], mask[i, 10 - len(row):] = row, 1
+    batch, mask = left_padded(rows, 10)
     _, together = generate(model, batch, attention_mask=mask)
     for i, row in enumerate(rows):
         torch.testing.assert_close(together[i], generate(model, row[None])[1][0], atol=1e-5, rtol=1e-4)

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import MAX_POSITIONS, make_model, padding_position_ids
+from conftest import MAX_POSITIONS, left_padded, make_model, padding_position_ids
 from test_self_extend_memory import LargestTensor
 from torch import nn
 from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig
@@ -220,9 +220,7 @@ def test_cached_generation_equals_a_full_recompute(family: str, variant: str, le
 def test_left_padded_batch_equals_rows_alone(family: str, variant: str) -> None:
     lengths = (100, 40) if family != "bert" else (90, 30)
     rows = [tokens(1, n, seed=4 + i)[0] for i, n in enumerate(lengths)]
-    batch, mask = torch.zeros(2, lengths[0], dtype=torch.long), torch.zeros(2, lengths[0], dtype=torch.long)
-    for i, row in enumerate(rows):
-        batch[i, lengths[0] - len(row):], mask[i, lengths[0] - len(row):] = row, 1
+    batch, mask = left_padded(rows, lengths[0])
     model = extended(family, variant)
     with torch.no_grad():
         together = model(input_ids=batch, attention_mask=mask, position_ids=padding_position_ids(mask)).logits
