@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_model, swapped
+from process_launch import check_processes, free_port, run_again_if_killed
 
 import hf_posswap as ps
 from hf_posswap.core import context_parallel, ring_function
@@ -349,12 +349,6 @@ def expected_paths(case: str) -> list[str]:
     return ["ring"] if case.endswith(dense) else ["ring-fused"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(world: int, cases: list) -> list[dict]:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
@@ -363,11 +357,8 @@ def run_ranks(world: int, cases: list) -> list[dict]:
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for rank in range(world)
     ]
-    results = []
-    for process in processes:
-        out, err = process.communicate(timeout=300)
-        assert process.returncode == 0, err[-3000:]
-        results += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    results = [json.loads(line) for out in check_processes(processes) for line in out.splitlines()
+               if line.startswith("{")]
     assert len(results) == world * len(cases)
     return results
 
@@ -375,9 +366,10 @@ def run_ranks(world: int, cases: list) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "cases"), [(2, TWO_RANKS), (3, THREE_RANKS), (2, GIVEN_POSITIONS)],
                          ids=["two-ranks", "three-ranks", "two-ranks-given-position-ids"])
-def test_split_sequences_give_the_logits_and_gradients_of_one_process(world: int, cases: list) -> None:
+def test_split_sequences_give_the_logits_and_gradients_of_one_process(world: int, cases: list,
+                                                                      tmp_path: Path) -> None:
     failed = [
-        result for result in run_ranks(world, cases)
+        result for result in run_again_if_killed(lambda _: run_ranks(world, cases), tmp_path)
         if result["logits"] > 1e-5 or max(result["grads"]) > 1e-5 or result["paths"] != expected_paths(result["case"])
     ]
     assert not failed, json.dumps(failed, indent=1)

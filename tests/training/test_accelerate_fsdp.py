@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import save_tiny_checkpoint, write_corpus
+from process_launch import run_again_if_killed, run_launcher
 from transformers import AutoModelForCausalLM
 
 import hf_posswap as ps
@@ -66,15 +66,16 @@ def _launch(runs: list[dict], folder: Path) -> None:
     runs_file.write_text(json.dumps(runs))
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(WORLD),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(WORKER), str(runs_file)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900,
-                            env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"})
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_launcher(command, env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"})
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every sharded run and its one-process reference: ``<root>/<name>/{sharded,alone}``."""
-    root = tmp_path_factory.mktemp("accelerate_fsdp")
+    return run_again_if_killed(_train, tmp_path_factory.mktemp("accelerate_fsdp"))
+
+
+def _train(root: Path) -> Path:
     for family in ("llama", "gpt2"):
         save_tiny_checkpoint(family, root / family)
     (root / "corpus").mkdir()

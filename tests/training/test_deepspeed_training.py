@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import NATIVE_PAIRS, save_tiny_checkpoint, write_corpus
+from process_launch import free_port, run_again_if_killed, spawn
 
 import hf_posswap as ps
 
@@ -99,20 +99,20 @@ def _worker(rank: int, port: int, root: str) -> None:
 
 
 def _spawn(root: Path) -> dict:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    torch.multiprocessing.spawn(_worker, args=(port, str(root)), nprocs=WORLD, join=True)
+    spawn(_worker, args=(free_port(), str(root)), processes=WORLD)
     return json.loads((root / "zero3.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from hf_posswap.training import FinetuneConfig, finetune
-
     if torch.cuda.is_available() and torch.cuda.device_count() < WORLD:  # DeepSpeed then takes a GPU per process
         pytest.skip(f"needs {WORLD} GPUs, or none (DeepSpeed's CPU accelerator over gloo)")
-    root = tmp_path_factory.mktemp("zero3")
+    return run_again_if_killed(_train, tmp_path_factory.mktemp("zero3"))
+
+
+def _train(root: Path) -> dict:
+    from hf_posswap.training import FinetuneConfig, finetune
+
     for family in ("llama", "gpt2"):
         save_tiny_checkpoint(family, root / family)
     (root / "corpus").mkdir()

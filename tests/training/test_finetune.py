@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import save_tiny_checkpoint, write_corpus
+from process_launch import run_again_if_killed, run_launcher
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import hf_posswap as ps
@@ -176,17 +177,31 @@ def test_a_crash_during_a_save_keeps_the_last_good_checkpoint(workspace, tmp_pat
 
 @pytest.mark.slow
 def test_two_processes_train_data_parallel(workspace, tmp_path) -> None:
-    script = tmp_path / "two.py"
+    folder = run_again_if_killed(lambda folder: _train_two_processes(workspace, folder), tmp_path)
+    reported = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["processes"] for r in reported] == [2, 2], "the two processes did not form one data-parallel group"
+    assert reported[0]["loss"] == reported[1]["loss"], "processes disagree on the (gathered) loss"
+    assert reported[0]["checksum"] == reported[1]["checksum"], "the processes' weights diverged"
+    assert len(losses(folder / "out")) == 4, "the loss log is written once, by the main process"
+    # the schedule advances once per update in any number of processes (accelerate's default: once per process)
+    logged = [json.loads(line)["lr"] for line in (folder / "out" / "loss_log.jsonl").read_text().splitlines()]
+    assert logged == one_process_learning_rates(FinetuneConfig(model="m", data=["d"], output="o", steps=4, lr=2e-3))
+    assert sorted(p.name for p in (folder / "out" / "checkpoints").iterdir()) == ["latest", "step-2", "step-4"]
+    assert (folder / "out" / "final" / "model.safetensors").exists()
+
+
+def _train_two_processes(workspace: Path, folder: Path) -> Path:
+    script = folder / "two.py"
     script.write_text(textwrap.dedent(f"""
         import json
         from accelerate import PartialState
         from hf_posswap.training import FinetuneConfig, finetune
         result = finetune(FinetuneConfig(model={str(workspace / "gpt2")!r},
                                          data=[{str(workspace / "corpus" / "*.txt")!r}],
-                                         output={str(tmp_path / "out")!r}, scheme="t5", seq_len=64, batch_size=2,
+                                         output={str(folder / "out")!r}, scheme="t5", seq_len=64, batch_size=2,
                                          steps=4, lr=2e-3, save_every=2, eval_every=2))
         rank = PartialState().process_index
-        with open({str(tmp_path)!r} + f"/rank{{rank}}.json", "w") as handle:
+        with open({str(folder)!r} + f"/rank{{rank}}.json", "w") as handle:
             json.dump({{"rank": rank, "processes": PartialState().num_processes, "loss": result["train_loss"],
                        "checksum": result["parameter_checksum"]}}, handle)
         """))
@@ -194,19 +209,8 @@ def test_two_processes_train_data_parallel(workspace, tmp_path) -> None:
     # because finetune() asks accelerate for gloo when there is no CUDA.
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    reported = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert [r["processes"] for r in reported] == [2, 2], "the two processes did not form one data-parallel group"
-    assert reported[0]["loss"] == reported[1]["loss"], "processes disagree on the (gathered) loss"
-    assert reported[0]["checksum"] == reported[1]["checksum"], "the processes' weights diverged"
-    assert len(losses(tmp_path / "out")) == 4, "the loss log is written once, by the main process"
-    # the schedule advances once per update in any number of processes (accelerate's default: once per process)
-    logged = [json.loads(line)["lr"] for line in (tmp_path / "out" / "loss_log.jsonl").read_text().splitlines()]
-    assert logged == one_process_learning_rates(FinetuneConfig(model="m", data=["d"], output="o", steps=4, lr=2e-3))
-    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["latest", "step-2", "step-4"]
-    assert (tmp_path / "out" / "final" / "model.safetensors").exists()
+    run_launcher(command, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return folder
 
 
 @pytest.mark.slow

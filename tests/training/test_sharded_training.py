@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import NATIVE_PAIRS, VOCAB, make_model, swapped
+from process_launch import free_port, run_again_if_killed, spawn
 
 import hf_posswap as ps
 
@@ -222,33 +222,22 @@ def _worker(rank: int, port: int, task: str, directory: str) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(task: str, directory: Path, attempts: int = 3) -> dict:
-    """Run ``task`` in WORLD fresh processes. A process killed by a signal is retried: on 2 CPU cores one process
-    sometimes dies inside torch's gloo collectives (2 of 26 runs of this file here): SIGABRT ("terminate called
-    without an active exception") or SIGSEGV, which a faulthandler trace placed in the functional collectives'
-    ``wait_tensor`` while ``get_model_state_dict`` gathered the full state (it did not happen with FSDP2 alone on
-    plain Linear layers in 400 gathers). A wrong number is never retried: the checks read what a completed run
-    wrote."""
-    for attempt in range(attempts):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        try:
-            torch.multiprocessing.spawn(_worker, args=(port, task, str(directory)), nprocs=WORLD, join=True)
-            break
-        except torch.multiprocessing.ProcessExitedException as error:
-            if error.signal_name is None or attempt == attempts - 1:
-                raise
+def _spawn(task: str, directory: Path) -> dict:
+    """Run ``task`` in WORLD fresh processes; what rank 0 wrote."""
+    spawn(_worker, args=(free_port(), task, str(directory)), processes=WORLD)
     return json.loads((directory / f"{task}.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    directory = tmp_path_factory.mktemp("sharded")
+def _train_and_resume(directory: Path) -> dict:
     results = _spawn("compare", directory)
     results.update(_spawn("resume", directory))
     results["directory"] = directory
     return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_again_if_killed(_train_and_resume, tmp_path_factory.mktemp("sharded"))
 
 
 # --- the checks --------------------------------------------------------------------------------------------------
