@@ -1,8 +1,10 @@
-"""Sharded training (FSDP2 ``fully_shard`` over 2 gloo processes on CPU) equals training in one process, saves a
-full model that reloads with the same logits, and resumes from a sharded (DCP) checkpoint with the same losses.
+"""Sharded training (FSDP2 ``fully_shard`` over 2 or 4 gloo processes on CPU) equals training in one process, saves a
+full model that reloads with the same logits, and resumes from a sharded (DCP) checkpoint with the same losses, in as
+many processes as saved it or in more.
 
-Two spawns of 2 processes serve every test: the first trains every (family, scheme) case sharded and in one process
-and makes the uninterrupted run whose checkpoint the second (fresh processes) resumes from."""
+Three spawns serve every test. The first (2 processes) trains every (family, scheme) case sharded and in one process
+and makes the uninterrupted run whose checkpoint the others resume from: the second in 2 fresh processes, the third
+in 4, after training a few cases over 4 processes."""
 
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ CASES.append(("llama", "mix"))  # a layer mix: KERPLE in layer 0, a T5 table in 
 BIAS_SCHEMES = {"alibi", "t5", "kerple", "fire", "mix"}
 BF16_CASES = [("llama", "t5"), ("gpt2", "fire")]  # also trained with parameters gathered in bf16
 RESUMED = ("llama", "t5")  # the run resumed from a sharded checkpoint
+#: also trained over WIDE processes (one row each), which then resume the 2-process checkpoint (DCP reshards it)
+WIDE = 4
+WIDE_CASES = [("llama", "t5"), ("gpt2", "kerple"), ("llama", "fire"), ("llama", "mix")]
 RESUME_STEPS = 4
 
 
@@ -90,7 +95,8 @@ def _train_sharded(family: str, scheme: str, rank: int,
 
     model = shard_model(_model(family, scheme), mixed_precision=mixed_precision)
     optimizer = _optimizer(model)
-    rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    world = dist.get_world_size()
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     losses, grads, paths = [], {}, []
     for step in range(STEPS):
         with record_paths() as taken:  # the attention paths the position context led to
@@ -103,7 +109,7 @@ def _train_sharded(family: str, scheme: str, rank: int,
         optimizer.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        losses.append(mean.item() / WORLD)
+        losses.append(mean.item() / world)
     return model, losses, grads, sorted(set(paths))
 
 
@@ -182,7 +188,8 @@ def _resume_run(rank: int, output: Path, start_from: Path | None) -> list[float]
     first = 0
     if start_from is not None:
         first = load_sharded_checkpoint(start_from, model, optimizer, extra={"scheduler": scheduler})["step"]
-    rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    world = dist.get_world_size()
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     losses = []
     for step in range(first, RESUME_STEPS):
         loss = _loss(model, _batch(step)[rows])
@@ -192,16 +199,16 @@ def _resume_run(rank: int, output: Path, start_from: Path | None) -> list[float]
         optimizer.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        losses.append(mean.item() / WORLD)
+        losses.append(mean.item() / world)
         if step + 1 == RESUME_STEPS // 2 and start_from is None:
             save_sharded_checkpoint(output, step + 1, model, optimizer, extra={"scheduler": scheduler})
     return losses
 
 
-def _worker(rank: int, port: int, task: str, directory: str) -> None:
+def _worker(rank: int, port: int, task: str, directory: str, world: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         root = Path(directory)
         results: dict = {}
@@ -214,6 +221,8 @@ def _worker(rank: int, port: int, task: str, directory: str) -> None:
         else:
             from hf_posswap.training.sharded_checkpoint import latest_sharded_checkpoint
 
+            for family, scheme in WIDE_CASES if task == "wide" else []:
+                results[f"{family}-{scheme}"] = _compare_case(family, scheme, rank, root / f"wide-{family}-{scheme}")
             results["resumed"] = _resume_run(rank, root / "run", latest_sharded_checkpoint(root / "run"))
         if rank == 0:
             (root / f"{task}.json").write_text(json.dumps(results))
@@ -222,15 +231,17 @@ def _worker(rank: int, port: int, task: str, directory: str) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(task: str, directory: Path) -> dict:
-    """Run ``task`` in WORLD fresh processes; what rank 0 wrote."""
-    spawn(_worker, args=(free_port(), task, str(directory)), processes=WORLD)
+def _spawn(task: str, directory: Path, world: int = WORLD) -> dict:
+    """Run ``task`` in ``world`` fresh processes; what rank 0 wrote."""
+    spawn(_worker, args=(free_port(), task, str(directory), world), processes=world)
     return json.loads((directory / f"{task}.json").read_text())
 
 
 def _train_and_resume(directory: Path) -> dict:
+    """``compare`` makes the 2-process checkpoint that ``resume`` (2 processes) and ``wide`` (WIDE) resume."""
     results = _spawn("compare", directory)
     results.update(_spawn("resume", directory))
+    results["wide"] = _spawn("wide", directory, world=WIDE)
     results["directory"] = directory
     return results
 
@@ -246,7 +257,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "scheme"), CASES, ids=[f"{f}-{s}" for f, s in CASES])
 def test_sharded_steps_equal_one_process(runs: dict, family: str, scheme: str) -> None:
-    case = runs[f"{family}-{scheme}"]
+    _assert_trains_as_one_process(runs[f"{family}-{scheme}"], scheme)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "scheme"), WIDE_CASES, ids=[f"{f}-{s}" for f, s in WIDE_CASES])
+def test_four_processes_train_as_one_process(runs: dict, family: str, scheme: str) -> None:
+    case = runs["wide"][f"{family}-{scheme}"]
+    _assert_trains_as_one_process(case, scheme)
+    assert case["reloaded_logits_diff"] < 1e-5
+
+
+def _assert_trains_as_one_process(case: dict, scheme: str) -> None:
     assert len(case["sharded_losses"]) == STEPS
     assert case["sharded_losses"] == pytest.approx(case["alone_losses"], abs=1e-5)
     assert case["weights_diff"] < 1e-6  # every weight after the steps, position modules included
@@ -286,6 +308,12 @@ def test_resume_from_sharded_checkpoint_gives_the_same_losses(runs: dict) -> Non
     assert resumed == pytest.approx(straight[RESUME_STEPS // 2:], abs=1e-6)
     checkpoints = runs["directory"] / "run" / "checkpoints"
     assert sorted(path.name for path in checkpoints.iterdir()) == ["latest", f"step-{RESUME_STEPS // 2}"]
+
+
+@pytest.mark.slow
+def test_four_processes_resume_a_checkpoint_two_processes_saved(runs: dict) -> None:
+    """Distributed checkpoints reshard on load: a run saved by 2 processes continues in 4 with the same losses."""
+    assert runs["wide"]["resumed"] == pytest.approx(runs["straight"][RESUME_STEPS // 2:], abs=1e-6)
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
