@@ -9,13 +9,16 @@ call PyTorch's ``fully_shard`` and distributed checkpoint, both of which run ove
 sharding is possible here.
 
 Usage: ``worker.py RUNS.json`` where RUNS.json is a list of ``{"config": {FinetuneConfig fields},
-"stop_after_checkpoint": step or null, "report": path}``, run in order in the same processes (a run stopped after a
-checkpoint writes no report)."""
+"stop_after_checkpoint": step or null, "kill_during_save": step or null, "report": path}``, run in order in the same
+processes (a run stopped after a checkpoint writes no report; a kill during a save ends the launch)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+from pathlib import Path
 
 
 def let_accelerate_shard_on_cpu() -> None:
@@ -58,6 +61,34 @@ def stop_after_checkpoint(step: int | None) -> None:
     loop._save_checkpoint = save_then_stop
 
 
+def kill_during_save(step: int | None) -> None:
+    """Process 1 dies by SIGKILL inside the distributed-checkpoint write of ``step``'s checkpoint, after writing part
+    of its model shard; process 0 is then stopped by torchrun while it waits for it (``None``: no kill)."""
+    import torch.distributed.checkpoint as dcp
+
+    import hf_posswap.training.loop as loop
+    from hf_posswap.training.state import staging_dir
+
+    if step is None or os.environ.get("LOCAL_RANK") != "1":
+        return
+    original_checkpoint, original_write = loop._save_checkpoint, dcp.save
+
+    def save_checkpoint(accelerator, output, position):
+        if position["step"] == step:
+            shard = staging_dir(Path(output), step) / "pytorch_model_fsdp_0" / "__1_0.distcp"
+
+            def write_part_then_die(*args, **kwargs):
+                shard.parent.mkdir(parents=True, exist_ok=True)
+                shard.write_bytes(b"the first bytes of a shard")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            dcp.save = write_part_then_die
+        return original_checkpoint(accelerator, output, position)
+
+    loop._save_checkpoint = save_checkpoint
+    dcp.save = original_write
+
+
 def main(runs_file: str) -> None:
     let_accelerate_shard_on_cpu()
     from accelerate import PartialState
@@ -68,6 +99,7 @@ def main(runs_file: str) -> None:
     for run in json.loads(open(runs_file, encoding="utf-8").read()):
         AcceleratorState._reset_state()  # a launched process runs one finetune; here each run sets its own precision
         stop_after_checkpoint(run.get("stop_after_checkpoint"))
+        kill_during_save(run.get("kill_during_save"))
         try:
             result = finetune(FinetuneConfig(**run["config"]))
         except StopRun:

@@ -5,6 +5,8 @@ Two launches of 2 gloo processes on CPU (``accelerate_fsdp_worker.py`` explains 
 on CPU) serve every slow test: the first trains a full LLaMA (grouped-query attention) with T5 tables, a full GPT-2
 with KERPLE, a full LLaMA with FIRE, a LoRA LLaMA with KERPLE and a bf16 LLaMA with ALiBi, and starts two runs (one
 per checkpoint layout) that stop right after their step-2 checkpoint; the second resumes those in fresh processes.
+Between them, a third launch repeats the T5 run until process 1 is killed (SIGKILL) halfway through writing its
+shard of the step-4 checkpoint; the second launch resumes it too.
 Each is compared with the same run in this one process (the global batch of 4 rows equals 2 processes x 2 rows, in
 the same order)."""
 
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -53,6 +57,8 @@ RUNS = {
 #: trained in bf16 (FSDP gathers bf16 parameters and keeps fp32 masters; one process autocasts): close, not equal
 BF16_RUNS = {"llama-alibi-bf16": ("llama", {"scheme": "alibi", "mixed_precision": "bf16"})}
 RESUMED = "llama-t5"
+#: RESUMED again, with process 1 killed while it writes its shard of the step-4 checkpoint, then resumed
+KILLED = "killed-during-save"
 
 
 def _settings(workspace: Path, family: str, output: Path, rows: int, **extra) -> dict:
@@ -61,12 +67,18 @@ def _settings(workspace: Path, family: str, output: Path, rows: int, **extra) ->
             "progress": False, **extra}
 
 
-def _launch(runs: list[dict], folder: Path) -> None:
+def _launch(runs: list[dict], folder: Path, killed: bool = False) -> None:
+    """Run ``runs`` in one launch of WORLD processes; ``killed``: a run kills process 1 by SIGKILL (checked)."""
     runs_file = folder / f"runs-{len(list(folder.glob('runs-*')))}.json"
     runs_file.write_text(json.dumps(runs))
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(WORLD),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(WORKER), str(runs_file)]
-    run_launcher(command, env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"})
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    if not killed:
+        run_launcher(command, env=env)
+        return
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode != 0 and re.search(r"exitcode\s*:\s*-9\b", result.stderr), result.stderr[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +107,19 @@ def _train(root: Path) -> Path:
                                accelerate_config=str(path), **extra) for kind, path in files.items()}
     first += [{"config": config, "stop_after_checkpoint": 2} for config in stopped.values()]
     _launch(first, root)
+    killed = _settings(root, family, root / KILLED, ROWS_PER_PROCESS, accelerate_config=str(fsdp_file), **extra)
+    _launch([{"config": killed, "kill_during_save": 4}], root, killed=True)
+    (root / f"{KILLED}-before-resume.json").write_text(json.dumps(sorted(_listing(root / KILLED / "checkpoints"))))
+    resumed = {**stopped, KILLED: killed}
     _launch([{"config": {**config, "resume": True}, "report": str(root / f"resumed-{kind}-report.json")}
-             for kind, config in stopped.items()], root)
+             for kind, config in resumed.items()], root)
     for name, (family, extra) in {**RUNS, **BF16_RUNS}.items():
         finetune(FinetuneConfig(**_settings(root, family, root / name / "alone", WORLD * ROWS_PER_PROCESS, **extra)))
     return root
+
+
+def _listing(folder: Path) -> list[str]:
+    return [str(path.relative_to(folder)) for path in folder.rglob("*")]
 
 
 def _losses(output: Path, column: str = "loss") -> list[float]:
@@ -179,6 +199,23 @@ def test_run_stopped_after_a_sharded_checkpoint_resumes_with_the_same_losses(tra
     again = AutoModelForCausalLM.from_pretrained(trained / f"resumed-{kind}" / "final")
     straight = AutoModelForCausalLM.from_pretrained(trained / RESUMED / "sharded" / "final")
     torch.testing.assert_close(_logits(again), _logits(straight), rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_process_killed_while_writing_its_shard_loses_nothing(trained: Path) -> None:
+    """The step-4 save died half-written in its staging folder: the step-2 checkpoint stayed the latest, and the
+    resumed run continued from it with the uninterrupted run's losses and final weights."""
+    before = json.loads((trained / f"{KILLED}-before-resume.json").read_text())
+    assert "latest" in before and "step-2/trainer_state.json" in before
+    assert ".staging-step-4/pytorch_model_fsdp_0/__1_0.distcp" in before and "step-4" not in before
+    report = json.loads((trained / f"resumed-{KILLED}-report.json").read_text())
+    assert report["first_step"] == 2 and report["steps"] == 4
+    uninterrupted = _losses(trained / RESUMED / "sharded")
+    torch.testing.assert_close(torch.tensor(_losses(trained / KILLED)), torch.tensor(uninterrupted), rtol=1e-6, atol=0)
+    again = AutoModelForCausalLM.from_pretrained(trained / KILLED / "final")
+    straight = AutoModelForCausalLM.from_pretrained(trained / RESUMED / "sharded" / "final")
+    torch.testing.assert_close(_logits(again), _logits(straight), rtol=0, atol=1e-6)
+    assert not any(name.startswith(".staging") for name in os.listdir(trained / KILLED / "checkpoints"))
 
 
 def test_fsdp_config_in_a_process_started_without_a_launcher_is_refused(tmp_path, monkeypatch) -> None:
