@@ -1,13 +1,12 @@
 """``finetune`` with an FSDP accelerate config runs accelerate's own FSDP2 code (prepare, sharded ``save_state`` /
 ``load_state``, the gathered final save) and trains exactly as one process does.
 
-Two launches of 2 gloo processes on CPU (``accelerate_fsdp_worker.py`` explains how accelerate's FSDP path is let run
-on CPU) serve every slow test: the first trains a full LLaMA (grouped-query attention) with T5 tables, a full GPT-2
-with KERPLE, a full LLaMA with FIRE, a LoRA LLaMA with KERPLE and a bf16 LLaMA with ALiBi, and starts two runs (one
-per checkpoint layout) that stop right after their step-2 checkpoint; the second resumes those in fresh processes.
-Between them, a third launch repeats the T5 run until process 1 is killed (SIGKILL) halfway through writing its
-shard of the step-4 checkpoint; the second launch resumes it too.
-Each is compared with the same run in this one process (the global batch of 4 rows equals 2 processes x 2 rows, in
+Three launches of 2 gloo processes on CPU (``accelerate_fsdp_worker.py`` explains how accelerate's FSDP path is let
+run on CPU) serve every slow test. The first trains a full LLaMA (grouped-query attention) with T5 tables, a full
+GPT-2 with KERPLE, a full LLaMA with FIRE, a LoRA LLaMA with KERPLE and a bf16 LLaMA with ALiBi, and starts two runs
+(one per checkpoint layout) that stop right after their step-2 checkpoint. The second repeats the T5 run until
+process 1 is killed (SIGKILL) halfway through writing its shard of the step-4 checkpoint. The third resumes the
+stopped and the killed runs in fresh processes. Each is compared with the same run in this one process (the global batch of 4 rows equals 2 processes x 2 rows, in
 the same order)."""
 
 from __future__ import annotations
