@@ -6,8 +6,8 @@ run on CPU) serve every slow test. The first trains a full LLaMA (grouped-query 
 GPT-2 with KERPLE, a full LLaMA with FIRE, a LoRA LLaMA with KERPLE and a bf16 LLaMA with ALiBi, and starts two runs
 (one per checkpoint layout) that stop right after their step-2 checkpoint. The second repeats the T5 run until
 process 1 is killed (SIGKILL) halfway through writing its shard of the step-4 checkpoint. The third resumes the
-stopped and the killed runs in fresh processes. Each is compared with the same run in this one process (the global batch of 4 rows equals 2 processes x 2 rows, in
-the same order)."""
+stopped and the killed runs in fresh processes. Each is compared with the same run in this one process (the global
+batch of 4 rows equals 2 processes x 2 rows, in the same order)."""
 
 from __future__ import annotations
 

@@ -2,21 +2,24 @@
 CPU accelerator), equals ``finetune`` in one process: the same losses, the same weights after the steps (position
 parameters included, FIRE's 0-dim ones too, sharded and trained like any weight), a final model gathered from the
 shards that reloads with its scheme, a resume from a DeepSpeed checkpoint that continues with the same losses,
-LoRA, and bf16 mixed precision (DeepSpeed then holds bf16 weights: close to one process's bf16 run, not equal).
+LoRA, bf16 mixed precision (DeepSpeed then holds bf16 weights: close to one process's bf16 run, not equal), and a
+process killed while it writes its partition of a checkpoint, after which the run resumes from the one before.
 
-One spawn of 2 processes runs every DeepSpeed case; the one-process references run in the test process."""
+One spawn of 2 processes runs every DeepSpeed case; two more kill a run while it saves and resume it. The one-process
+references run in the test process."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import NATIVE_PAIRS, save_tiny_checkpoint, write_corpus
-from process_launch import free_port, run_again_if_killed, spawn
+from process_launch import KilledBySignal, free_port, run_again_if_killed, spawn
 
 import hf_posswap as ps
 
@@ -29,6 +32,7 @@ CASES = [("llama", "t5"), ("llama", "kerple"), ("llama", "fire"), ("llama", "lea
          ("gpt2", "alibi"), ("gpt2", "t5"), ("gpt2", "fire")]
 TRAINED_POSITIONS = {"t5", "kerple", "fire", "learned"}  # schemes with position parameters
 RESUMED = ("llama", "kerple")  # resumed from its DeepSpeed checkpoint at step STEPS // 2
+KILLED = "killed-during-save"  # RESUMED again, killed while saving its last checkpoint, then resumed
 LORA = ("llama", "t5")
 BF16 = ("llama", "t5")  # also trained with mixed_precision "bf16" (DeepSpeed then holds the weights in bf16)
 #: ZeRO-3 with every parameter partitioned: DeepSpeed keeps parameters under stage3_param_persistence_threshold
@@ -83,24 +87,63 @@ def _resume_from_half_way(root: Path, straight: Path) -> Path:
     return resumed
 
 
-def _worker(rank: int, port: int, root: str) -> None:
+def _die_while_saving(step: int) -> None:
+    """This process is killed (SIGKILL) as it writes its first DeepSpeed file of step ``step``'s checkpoint, after
+    the first bytes of it."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    original = TorchCheckpointEngine.save
+
+    def write_part_then_die(self, state_dict, path: str) -> None:
+        if f".staging-step-{step}" not in str(path):
+            return original(self, state_dict, path)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_bytes(b"the first bytes of a partition")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    TorchCheckpointEngine.save = write_part_then_die
+
+
+def _worker(rank: int, port: int, root: str, task: str) -> None:
+    """``compare``: every DeepSpeed case; ``killed``: the RESUMED run, its process 1 killed while saving the last
+    checkpoint; ``resume-killed``: that run resumed."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
     directory = Path(root)
     results: dict = {}
-    for family, scheme in CASES:
-        results[f"{family}-{scheme}"] = _zero3(directory, family, scheme, directory / f"zero3-{family}-{scheme}")
-    results["resumed"] = str(_resume_from_half_way(directory, directory / f"zero3-{RESUMED[0]}-{RESUMED[1]}"))
-    results["lora"] = _zero3(directory, *LORA, directory / "zero3-lora", lora=True)
-    results["bf16"] = _zero3(directory, *BF16, directory / "zero3-bf16", mixed_precision="bf16")
+    if task == "killed":
+        if rank == 1:
+            _die_while_saving(STEPS)
+        _zero3(directory, *RESUMED, directory / KILLED)
+    elif task == "resume-killed":
+        results = _zero3(directory, *RESUMED, directory / KILLED, resume=True)
+    else:
+        for family, scheme in CASES:
+            results[f"{family}-{scheme}"] = _zero3(directory, family, scheme, directory / f"zero3-{family}-{scheme}")
+        results["resumed"] = str(_resume_from_half_way(directory, directory / f"zero3-{RESUMED[0]}-{RESUMED[1]}"))
+        results["lora"] = _zero3(directory, *LORA, directory / "zero3-lora", lora=True)
+        results["bf16"] = _zero3(directory, *BF16, directory / "zero3-bf16", mixed_precision="bf16")
     if rank == 0:
-        (directory / "zero3.json").write_text(json.dumps(results))
+        (directory / f"{task}.json").write_text(json.dumps(results))
 
 
-def _spawn(root: Path) -> dict:
-    spawn(_worker, args=(free_port(), str(root)), processes=WORLD)
-    return json.loads((root / "zero3.json").read_text())
+def _spawn(root: Path, task: str) -> dict:
+    spawn(_worker, args=(free_port(), str(root), task), processes=WORLD)
+    return json.loads((root / f"{task}.json").read_text())
+
+
+def _kill_while_saving(root: Path) -> None:
+    """The ``killed`` spawn, which must end with process 1 killed by SIGKILL (any other signal: run again)."""
+    try:
+        spawn(_worker, args=(free_port(), str(root), "killed"), processes=WORLD)
+    except KilledBySignal as killed:
+        if "SIGKILL" not in str(killed):
+            raise
+    else:
+        raise AssertionError("process 1 was not killed while it saved")
+    files = sorted(str(path.relative_to(root / KILLED)) for path in (root / KILLED).rglob("*"))
+    (root / f"{KILLED}-before-resume.json").write_text(json.dumps(files))
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +163,9 @@ def _train(root: Path) -> dict:
     (root / "zero3-deepspeed.json").write_text(json.dumps(ZERO3))
     (root / "zero3.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n"
                                      f"  deepspeed_config_file: {root / 'zero3-deepspeed.json'}\n")
-    results = _spawn(root)
+    results = _spawn(root, "compare")
+    _kill_while_saving(root)
+    results["resumed-killed"] = _spawn(root, "resume-killed")
     for family, scheme, lora in [*((f, s, False) for f, s in CASES), (*LORA, True)]:
         output = root / (f"alone-{family}-{scheme}" + ("-lora" if lora else ""))
         results[output.name] = finetune(FinetuneConfig(**_settings(root, family, scheme, output, batch_size=BATCH,
@@ -212,6 +257,22 @@ def test_zero3_resume_from_a_deepspeed_checkpoint_gives_the_same_losses(runs: di
     assert [path.name for path, _ in valid] == [f"step-{STEPS}", f"step-{STEPS // 2}"] and not rejected
     assert (straight / "checkpoints" / f"step-{STEPS}" / "pytorch_model").is_dir()  # DeepSpeed's own files
     assert _max_diff(_weights(resumed / "final"), _weights(straight / "final")) < 1e-6
+
+
+@pytest.mark.slow
+def test_a_process_killed_while_writing_its_partition_loses_nothing(runs: dict) -> None:
+    """The last save died half-written in its staging folder: the step STEPS // 2 checkpoint stayed the latest, and
+    the resumed run continued from it with the uninterrupted run's losses and final weights."""
+    root = runs["root"]
+    before = json.loads((root / f"{KILLED}-before-resume.json").read_text())
+    assert f"checkpoints/step-{STEPS // 2}/trainer_state.json" in before, before
+    assert any(name.startswith(f"checkpoints/.staging-step-{STEPS}/") for name in before), before
+    assert f"checkpoints/step-{STEPS}" not in before and "final" not in before
+    assert runs["resumed-killed"]["first_step"] == STEPS // 2 and runs["resumed-killed"]["steps"] == STEPS
+    straight = root / f"zero3-{RESUMED[0]}-{RESUMED[1]}"
+    assert _losses(root / KILLED) == pytest.approx(_losses(straight), abs=1e-6)
+    assert _max_diff(_weights(root / KILLED / "final"), _weights(straight / "final")) < 1e-6
+    assert not any(path.name.startswith(".staging") for path in (root / KILLED / "checkpoints").iterdir())
 
 
 @pytest.mark.slow
