@@ -92,7 +92,7 @@ else
     # the matrix first (correctness before speed), then the benchmark with what is left of the 8 minutes
     # 8 workers: flex_attention compiles per scheme, dtype and mask pattern, on the CPU cores (16 there)
     step cuda_matrix 230 "$python" -m pytest -q -p no:cacheprovider -m "slow or not slow" -n 8 --timeout 120 \
-        tests/core/test_cuda.py tests/core/test_flex_bias.py tests/core/test_self_extend_merged.py -k cuda \
+        tests/core/test_cuda.py tests/core/test_flex_bias_gradients.py tests/core/test_self_extend_merged.py -k cuda \
         --junitxml="$results/cuda_matrix.xml"
     left=$(( 460 - ($(date +%s) - started) ))
     (( left < 120 )) && left=120

@@ -261,15 +261,16 @@ FAST_SUBSET = {
     "test_matrix.py::test_inputs_longer_than_trained_length": {"gpt2-sinusoidal", "bert-alibi", "llama-t5"},
     "test_matrix.py::test_output_attentions_include_the_scheme": {"gpt2-rope", "bert-t5", "llama-alibi"},
     "test_matrix.py::test_explicit_position_ids_reach_attention": {"bert-rope", "llama-t5"},
-    "test_call_paths.py::test_every_call_path_runs_the_scheme": DIAGONAL,
-    "test_call_paths.py::test_cached_generation_equals_uncached_for_every_scheme": {"llama-alibi-beams"},
-    "test_call_paths.py::test_cached_generation_equals_uncached_past_the_original_length": {"gpt2-yarn-greedy"},
-    "test_call_paths.py::test_gradient_checkpointing_trains_position_parameters": {"reentrant-llama-t5"},
-    "test_call_paths.py::test_deepcopy_is_independent_and_can_be_unswapped": {"llama-alibi"},
-    "test_call_paths.py::test_torch_save_of_a_whole_swapped_model_round_trips": {"bert-rope"},
-    "test_call_paths.py::test_swap_and_unswap_through_a_peft_wrapper": {"gpt2"},
-    "test_call_paths.py::test_peft_wrapped_model_runs_the_scheme_on_every_path": {"t5"},
-    "test_call_paths.py::test_self_extend_with_explicit_position_ids": {"llama"},
+    "test_call_paths_forward.py::test_every_call_path_runs_the_scheme": DIAGONAL,
+    "test_call_paths_generate.py::test_cached_generation_equals_uncached_for_every_scheme": {"llama-alibi-beams"},
+    "test_call_paths_generate.py::test_cached_generation_equals_uncached_past_the_original_length": {
+        "gpt2-yarn-greedy"},
+    "test_call_paths_forward.py::test_gradient_checkpointing_trains_position_parameters": {"reentrant-llama-t5"},
+    "test_call_paths_copies_and_wrappers.py::test_deepcopy_is_independent_and_can_be_unswapped": {"llama-alibi"},
+    "test_call_paths_copies_and_wrappers.py::test_torch_save_of_a_whole_swapped_model_round_trips": {"bert-rope"},
+    "test_call_paths_copies_and_wrappers.py::test_swap_and_unswap_through_a_peft_wrapper": {"gpt2"},
+    "test_call_paths_forward.py::test_peft_wrapped_model_runs_the_scheme_on_every_path": {"t5"},
+    "test_call_paths_generate.py::test_self_extend_with_explicit_position_ids": {"llama"},
     "test_context_parallel.py::test_the_ring_uses_given_position_ids_as_one_process_does": {
         "alibi-causal-3", "alibi-bidirectional-5", "t5-causal-2", "t5-bidirectional-3", "xpos-causal-5",
         "xpos-bidirectional-2", "self-extend-causal-3", "self-extend-bidirectional-2"},
@@ -285,10 +286,11 @@ FAST_SUBSET = {
     "test_matrix.py::test_sinusoidal_in_half_precision": {"bf16-llama"},
     "test_extend.py::test_cached_generation_past_the_original_length": {"native-linear"},
     "test_llama_like.py::test_llama_like_families": {"mistral-learned", "qwen2-t5", "qwen3-alibi"},
-    # eager Self-Extend and explicit position ids run fast in test_self_extend_memory.py and test_call_paths.py
+    # eager Self-Extend and explicit position ids run fast in test_self_extend_memory.py and test_call_paths_generate.py
     "test_self_extend_authors.py::test_cached_decode_equals_the_authors_decode_and_a_recompute": {"sdpa"},
     "test_self_extend_authors.py::test_left_padded_rows_equal_the_authors_formula_row_by_row": {"mask-only"},
-    "test_call_paths.py::test_removing_an_accelerate_hook_added_before_the_swap_keeps_the_scheme": {"llama-alibi"},
+    "test_call_paths_copies_and_wrappers.py::test_removing_an_accelerate_hook_added_before_the_swap_keeps_the_scheme":
+        {"llama-alibi"},
 }
 
 

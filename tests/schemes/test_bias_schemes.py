@@ -3,8 +3,8 @@
 Each peer formula below is written from the peer's code (cited with repository and path) independently of
 hf_posswap's modules, and compared on the same parameters: the bias values directly, and behaviourally through
 a swapped model (with zeroed queries the attention weights are softmax(bias + mask), so ``output_attentions``
-must equal the peer's bias softmaxed). The family x scheme matrix (tests/families/test_matrix.py, test_call_paths.py,
-test_checkpoints.py, ...) picks the schemes up from the registry."""
+must equal the peer's bias softmaxed). The family x scheme matrix (tests/families/test_matrix.py,
+test_call_paths_forward.py, test_checkpoints.py, ...) picks the schemes up from the registry."""
 
 from __future__ import annotations
 
