@@ -152,10 +152,19 @@ class PositionContext:
         return max(self.query_offset + q_len - kv_len, 0)
 
 
-@functools.cache
 def _parameter_names(forward: Callable[..., Any]) -> tuple[str, ...]:
-    """The parameter names of a model class's ``forward``, without ``self`` (looked up once per class)."""
+    """The parameter names of a model class's ``forward``, without ``self`` (looked up once per class). Under
+    ``torch.compile`` they are read afresh: dynamo traces through a cache and warns that it did, on every compile."""
+    if torch.compiler.is_compiling():
+        return _read_parameter_names(forward)
+    return _cached_parameter_names(forward)
+
+
+def _read_parameter_names(forward: Callable[..., Any]) -> tuple[str, ...]:
     return tuple(inspect.signature(forward).parameters)[1:]
+
+
+_cached_parameter_names = functools.cache(_read_parameter_names)
 
 
 class PositionHook:
