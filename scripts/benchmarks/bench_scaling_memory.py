@@ -265,8 +265,8 @@ def run_measurement(args: argparse.Namespace, config: str, scheme: str, length: 
                 outputs.append(log.read())
                 log.close()
         failed = [(proc.returncode, out) for proc, out in zip(procs, outputs, strict=True) if proc.returncode != 0]
-        if failed:
-            code, out = failed[0]
+        if failed:  # a rank ended by a signal first: the others then fail on its closed connection
+            code, out = min(failed, key=lambda failure: failure[0] >= 0)
             lines = [line for line in out.strip().splitlines() if line.strip()] or ["no output"]
             return {"error": f"exit {code}: {lines[-1][:300]}"}
         ranks = [json.loads(Path(path).read_text(encoding="utf-8")) for path in results]

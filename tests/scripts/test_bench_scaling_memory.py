@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from process_launch import KilledBySignal, run_again_if_killed
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts" / "benchmarks"))
@@ -47,11 +48,20 @@ def test_markdown_names_why_a_row_has_no_numbers() -> None:
 
 
 @pytest.mark.slow  # 3-4 fresh interpreters, ~40 s on 2 cores
-def test_a_tiny_run_writes_every_row_and_fsdp_halves_each_ranks_bytes(tmp_path: Path) -> None:
-    out, table = tmp_path / "m.json", tmp_path / "m.md"
+def _tiny_run(folder: Path) -> tuple[dict, Path]:
+    """The benchmark's rows by config, and its table; a rank killed by a signal (gloo) runs it again."""
+    out, table = folder / "m.json", folder / "m.md"
     bench.main(["--model", "tiny", "--lengths", "64", "--schemes", "alibi", "--configs", "ckpt", "fsdp",
                 "--json", str(out), "--output", str(table)])
     rows = {row["config"]: row for row in json.loads(out.read_text(encoding="utf-8"))["rows"]}
+    killed = [row["error"] for row in rows.values() if row.get("error", "").startswith("exit -")]
+    if killed:
+        raise KilledBySignal(f"a rank of the benchmark ended by a signal: {killed}")
+    return rows, table
+
+
+def test_a_tiny_run_writes_every_row_and_fsdp_halves_each_ranks_bytes(tmp_path: Path) -> None:
+    rows, table = run_again_if_killed(_tiny_run, tmp_path)
     assert set(rows) == {"ckpt", "fsdp"} and "| fsdp | alibi | 64 | 2 |" in table.read_text(encoding="utf-8")
     whole, shards = rows["ckpt"]["ranks"][0], rows["fsdp"]["ranks"]
     assert len(shards) == 2
