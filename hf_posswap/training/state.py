@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
+#: the trainer state's count of the processes that wrote the checkpoint: each process's batches, and so the data
+#: position (``batches_in_epoch`` counts one process's batches) and the global batch, belong to that count
+PROCESSES = "processes"
 #: what accelerate's ``save_state`` writes; a checkpoint without one of each cannot be resumed. Under FSDP the model
 #: is ``pytorch_model_fsdp.bin`` (``FULL_STATE_DICT``) or a ``torch.distributed.checkpoint`` folder
 #: ``pytorch_model_fsdp_0/`` (``SHARDED_STATE_DICT``, its ``.metadata`` beside the shards), the optimizer
@@ -90,7 +93,9 @@ def read_trainer_state(checkpoint: Path) -> dict[str, int]:
         raise TrainingCheckpointError(f"{path} is corrupt: it must hold non-negative integers {', '.join(keys)}.")
     if _step_number(checkpoint) is not None and state["step"] != _step_number(checkpoint):
         raise TrainingCheckpointError(f"{path} says step {state['step']} but sits in {checkpoint.name}; it is corrupt.")
-    return {key: state[key] for key in keys}
+    if PROCESSES in state and not (_count(state[PROCESSES]) and state[PROCESSES] > 0):
+        raise TrainingCheckpointError(f"{path} is corrupt: {PROCESSES} must be a positive integer.")
+    return {key: state[key] for key in (*keys, PROCESSES) if key in state}  # PROCESSES: absent before it was kept
 
 
 def checkpoints_newest_first(output: Path) -> tuple[list[tuple[Path, dict[str, int]]], list[str]]:

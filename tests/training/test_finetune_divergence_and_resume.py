@@ -143,6 +143,37 @@ def test_a_corrupt_trainer_state_is_one_line_naming_the_file(workspace, tmp_path
 
 
 @pytest.mark.slow
+def test_a_checkpoint_continues_only_in_as_many_processes_as_wrote_it(workspace, tmp_path, capsys,
+                                                                       monkeypatch) -> None:
+    """Each process's batches, the global batch and the data position belong to the processes that wrote a
+    checkpoint: a resume in another number of them is refused before the model loads, and nothing is written."""
+    run(workspace, tmp_path, steps=2)
+    state = tmp_path / "checkpoints" / "step-2" / "trainer_state.json"
+    recorded = json.loads(state.read_text())
+    assert recorded["processes"] == 1
+    state.write_text(json.dumps({**recorded, "processes": 2}))  # as a run over 2 processes writes it
+    files = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    import hf_posswap.training.loop as loop
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the resume was refused")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(loop, "_load_model", refuse)
+        line = one_line_error(capsys, main(argv(workspace, tmp_path, "--resume", "--steps", "4")))
+    assert f"{state.parent} was written by 2 process(es) and this run has 1" in line
+    assert "accelerate launch --num_processes 2" in line and "--overwrite-output-dir" in line
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == files
+    state.write_text(json.dumps({**recorded, "processes": 0}))
+    assert "processes must be a positive integer" in one_line_error(
+        capsys, main(argv(workspace, tmp_path, "--resume", "--steps", "4")))
+    # a checkpoint written before the count was kept resumes as before
+    state.write_text(json.dumps({key: value for key, value in recorded.items() if key != "processes"}))
+    assert main(argv(workspace, tmp_path, "--resume", "--steps", "4")) == 0 and steps_logged(tmp_path) == [1, 2, 3, 4]
+    assert json.loads((tmp_path / "checkpoints" / "step-4" / "trainer_state.json").read_text())["processes"] == 1
+
+
+@pytest.mark.slow
 def test_a_run_killed_after_its_checkpoint_resumes_without_duplicate_log_lines(workspace, tmp_path) -> None:
     run(workspace, tmp_path, steps=2)
     with open(tmp_path / "loss_log.jsonl", "a") as log:  # steps logged after the checkpoint, then a half line
