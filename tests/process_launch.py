@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
+import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -23,9 +25,10 @@ import torch
 
 Result = TypeVar("Result")
 
-#: a process torchrun's elastic agent reports as ended by a signal (``exitcode : -6``); SIGTERM (15) is not one of
-#: them: the agent sends it itself to the processes left when one has failed
-_SIGNAL_EXIT = re.compile(r"exitcode\s*:\s*-(?!15\b)(\d+)")
+#: torchrun's elastic agent names the first process that failed under "Root Cause"; ``exitcode : -6`` there means
+#: a signal ended it (the others it then stops itself, with SIGTERM, and lists under "Failures")
+_ROOT_CAUSE = "Root Cause (first observed failure):"
+_SIGNAL_EXIT = re.compile(r"exitcode\s*:\s*-(\d+)")
 
 
 class KilledBySignal(RuntimeError):
@@ -65,27 +68,61 @@ def spawn(worker: Callable, args: tuple, processes: int) -> None:
 
 
 def run_launcher(command: list[str], env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run ``accelerate launch`` (torchrun); its stderr ends a failed check. :class:`KilledBySignal` when a process
-    was ended by a signal other than the SIGTERM with which torchrun stops the others."""
+    """Run ``accelerate launch`` (torchrun); its stderr ends a failed check. :class:`KilledBySignal` only when the
+    first process to fail (torchrun's root cause) was ended by a signal: a peer that dies by a signal after another
+    process failed with an error of its own does not make the run a retry."""
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    if result.returncode != 0:
-        signal = _SIGNAL_EXIT.search(result.stderr)
-        if signal:
-            raise KilledBySignal(f"a launched process ended by signal {signal.group(1)}: {result.stderr[-600:]}")
-    assert result.returncode == 0, result.stderr[-4000:]
+    check_launch(result)
     return result
 
 
-def check_processes(processes: list[subprocess.Popen], timeout: float = 300) -> list[str]:
-    """Wait for processes started with ``Popen`` (stdout and stderr piped); their outputs, in order. A process ended by
-    a signal (a negative return code) raises :class:`KilledBySignal`, even when its peers then failed with an error of
-    their own (a closed connection); otherwise any failure fails the check."""
-    outputs = [process.communicate(timeout=timeout) for process in processes]  # (stdout, stderr) each
-    finished = [(process.returncode, out, err) for process, (out, err) in zip(processes, outputs, strict=True)]
-    killed = [f"process {index} ended by signal {-code}: {err[-600:]}"
-              for index, (code, _, err) in enumerate(finished) if code < 0]
-    if killed:
-        raise KilledBySignal("; ".join(killed))
-    for code, _, err in finished:
-        assert code == 0, err[-3000:]
-    return [out for _, out, _ in finished]
+def check_launch(result: subprocess.CompletedProcess) -> None:
+    """A finished launch passed; :class:`KilledBySignal` when torchrun's root cause was a signal; else it fails."""
+    if result.returncode != 0 and _ROOT_CAUSE in result.stderr:
+        signal = _SIGNAL_EXIT.search(result.stderr.split(_ROOT_CAUSE, 1)[1])
+        if signal:
+            raise KilledBySignal(f"a launched process ended by signal {signal.group(1)}: {result.stderr[-600:]}")
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def wait_for_ranks(commands: list[list[str]], env: dict[str, str], timeout: float = 300) -> list[str]:
+    """Start one process per command (one rank each) and wait for all; their stdouts, in order. The order in which
+    they end is watched: :class:`KilledBySignal` only when the first to fail was ended by a signal (its peers then
+    fail on the closed connection); any other failure fails the check. Every failed rank's stderr is in the message."""
+    with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
+        outs = [open(Path(folder) / f"rank{rank}.out", "w+", encoding="utf-8") for rank in range(len(commands))]
+        errs = [open(Path(folder) / f"rank{rank}.err", "w+", encoding="utf-8") for rank in range(len(commands))]
+        processes = [subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True)
+                     for command, out, err in zip(commands, outs, errs, strict=True)]
+        failed_in_order = _wait_in_order(processes, timeout)
+        texts = []
+        for handle in [*outs, *errs]:
+            handle.seek(0)
+            texts.append(handle.read())
+            handle.close()
+    stdouts, stderrs = texts[:len(commands)], texts[len(commands):]
+    report = "; ".join(f"rank {rank} exit {processes[rank].returncode}: {stderrs[rank][-600:]}"
+                       for rank in failed_in_order)
+    if failed_in_order and processes[failed_in_order[0]].returncode < 0:
+        raise KilledBySignal(report)
+    assert not failed_in_order, report
+    return stdouts
+
+
+def _wait_in_order(processes: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Wait for every process (killing all past ``timeout``); the indices of those that failed, first ended first.
+    Failures seen in the same look (20 ms) put an error before a signal: when the order is unclear, nothing is
+    retried."""
+    deadline, failed, running = time.monotonic() + timeout, [], set(range(len(processes)))
+    while running:
+        ended = [index for index in sorted(running) if processes[index].poll() is not None]
+        running.difference_update(ended)
+        failed += sorted((index for index in ended if processes[index].returncode != 0),
+                         key=lambda index: processes[index].returncode < 0)
+        if time.monotonic() > deadline:
+            for index in running:
+                processes[index].kill()
+                processes[index].wait()
+            raise AssertionError(f"ranks {sorted(running)} still ran after {timeout:.0f} s")
+        time.sleep(0.02)
+    return failed

@@ -154,7 +154,7 @@ class PositionContext:
 
 def _parameter_names(forward: Callable[..., Any]) -> tuple[str, ...]:
     """The parameter names of a model class's ``forward``, without ``self`` (looked up once per class). Under
-    ``torch.compile`` they are read afresh: dynamo traces through a cache and warns that it did, on every compile."""
+    ``torch.compile`` they are read afresh: dynamo traces through a cache and warns that it did (once per process)."""
     if torch.compiler.is_compiling():
         return _read_parameter_names(forward)
     return _cached_parameter_names(forward)

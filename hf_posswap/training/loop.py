@@ -34,7 +34,7 @@ from .losses import distillation_kl, hidden_state_matching, pose_position_ids
 from .model import enable_checkpointing, prepare_positions, teacher_copy, with_lora
 from .model import load_model as _load_model  # the name tests patch to prove nothing loads before a refusal
 from .resume import CONFIG_FILE, LOSS_LOG, load_checkpoint, plan_resume, record_settings, say, truncate_loss_log
-from .state import CHECKPOINTS, PROCESSES, latest_checkpoint, publish_checkpoint, save_result, staging_dir
+from .state import CHECKPOINTS, PROCESS_COUNT, latest_checkpoint, publish_checkpoint, save_result, staging_dir
 
 
 class EpochShuffle(Sampler[int]):
@@ -328,7 +328,7 @@ def _save_checkpoint(accelerator, output: Path, position: dict[str, int]) -> Pat
         accelerator.save_state(str(staging))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        publish_checkpoint(output, position["step"], {**position, PROCESSES: accelerator.num_processes})
+        publish_checkpoint(output, position["step"], {**position, PROCESS_COUNT: accelerator.num_processes})
     accelerator.wait_for_everyone()
     return output / CHECKPOINTS / f"step-{position['step']}"
 

@@ -18,7 +18,13 @@ from typing import Any
 from ..errors import PosSwapError
 from .config import RESUME_SAFE, RUN_CONTROL, FinetuneConfig
 from .guards import previous_run_files
-from .state import PROCESSES, TrainingCheckpointError, checkpoints_newest_first, has_checkpoint_dirs, write_text_atomic
+from .state import (
+    PROCESS_COUNT,
+    TrainingCheckpointError,
+    checkpoints_newest_first,
+    has_checkpoint_dirs,
+    write_text_atomic,
+)
 
 CONFIG_FILE = "finetune_config.json"
 LOSS_LOG = "loss_log.jsonl"
@@ -137,20 +143,19 @@ def plan_resume(config: FinetuneConfig, output: Path, accelerator) -> dict[str, 
     if not valid:
         say(f"--resume: the run in {output} stopped before its first checkpoint; starting at step 0.", accelerator)
     else:
-        check_processes(*valid[0], accelerator.num_processes)
+        check_process_count(*valid[0], accelerator.num_processes)
     return {"candidates": valid, "rejected": rejected, "changes": changes}
 
 
-def check_processes(checkpoint: Path, state: dict[str, int], processes: int) -> None:
+def check_process_count(checkpoint: Path, state: dict[str, int], processes: int) -> None:
     """A checkpoint continues only in as many processes as wrote it: each process's batches, the global batch
     (``batch_size`` x processes) and the data position (``batches_in_epoch``, one process's count) belong to them."""
-    written_by = state.get(PROCESSES, processes)  # checkpoints from before the count was kept: not checked
+    written_by = state.get(PROCESS_COUNT, processes)  # checkpoints from before the count was kept: not checked
     if written_by != processes:
-        launch = "one process (no launcher)" if written_by == 1 else f"`accelerate launch --num_processes {written_by}`"
         raise ResumeError(
             f"--resume: {checkpoint} was written by {written_by} process(es) and this run has {processes}; the global "
-            f"batch and the data position belong to {written_by}. Resume with {launch}, or start a new run in "
-            "another --output (or with --overwrite-output-dir)."
+            f"batch and the data position belong to {written_by}. Resume with `accelerate launch --num_processes "
+            f"{written_by}`, or start a new run in another --output (or with --overwrite-output-dir)."
         )
 
 
@@ -159,7 +164,12 @@ def load_checkpoint(accelerator, resume: dict[str, Any], config: FinetuneConfig)
     passed_over = list(resume["rejected"])
     for path, state in resume["candidates"]:
         check_steps(config, state["step"], path)
-        check_processes(path, state, accelerator.num_processes)
+        try:
+            check_process_count(path, state, accelerator.num_processes)
+        except ResumeError as refused:
+            if passed_over:  # an older checkpoint after the newer did not load: say so too
+                raise ResumeError(f"{refused} (The newer ones: {' '.join(passed_over)})") from None
+            raise
         try:
             accelerator.load_state(str(path))
         except Exception as error:  # noqa: BLE001  (any failure to load means: try the next older checkpoint)
@@ -168,7 +178,7 @@ def load_checkpoint(accelerator, resume: dict[str, Any], config: FinetuneConfig)
         if passed_over:
             say(f"--resume: passed over {' '.join(passed_over)} Resuming from the older {path}.", accelerator)
         say(f"Resumed from {path} at step {state['step']}.", accelerator)
-        return path, {key: value for key, value in state.items() if key != PROCESSES}
+        return path, {key: value for key, value in state.items() if key != PROCESS_COUNT}
     if passed_over:
         raise TrainingCheckpointError(
             f"--resume: no checkpoint loads: {' '.join(passed_over)} Start a new run with --overwrite-output-dir."

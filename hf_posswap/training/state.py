@@ -1,7 +1,8 @@
 """Run checkpoints: written atomically, found again by ``--resume``.
 
 Each checkpoint is ``<output>/checkpoints/step-N`` holding accelerate's full state (model, optimizer, scheduler,
-RNG of every process) and ``trainer_state.json`` (step, epoch, batches consumed in the epoch). It is written to a
+RNG of every process) and ``trainer_state.json`` (step, epoch, batches consumed in the epoch, and the number of
+processes that wrote it). It is written to a
 hidden staging directory and renamed into place, and ``checkpoints/latest`` (a one-line file, also replaced
 atomically) points at it: a crash during a save never leaves a half-written checkpoint where a good one was.
 ``--resume`` does not trust the pointer alone: it takes the newest ``step-N`` whose files are complete (see
@@ -27,7 +28,7 @@ LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 #: the trainer state's count of the processes that wrote the checkpoint: each process's batches, and so the data
 #: position (``batches_in_epoch`` counts one process's batches) and the global batch, belong to that count
-PROCESSES = "processes"
+PROCESS_COUNT = "processes"
 #: what accelerate's ``save_state`` writes; a checkpoint without one of each cannot be resumed. Under FSDP the model
 #: is ``pytorch_model_fsdp.bin`` (``FULL_STATE_DICT``) or a ``torch.distributed.checkpoint`` folder
 #: ``pytorch_model_fsdp_0/`` (``SHARDED_STATE_DICT``, its ``.metadata`` beside the shards), the optimizer
@@ -93,9 +94,12 @@ def read_trainer_state(checkpoint: Path) -> dict[str, int]:
         raise TrainingCheckpointError(f"{path} is corrupt: it must hold non-negative integers {', '.join(keys)}.")
     if _step_number(checkpoint) is not None and state["step"] != _step_number(checkpoint):
         raise TrainingCheckpointError(f"{path} says step {state['step']} but sits in {checkpoint.name}; it is corrupt.")
-    if PROCESSES in state and not (_count(state[PROCESSES]) and state[PROCESSES] > 0):
-        raise TrainingCheckpointError(f"{path} is corrupt: {PROCESSES} must be a positive integer.")
-    return {key: state[key] for key in (*keys, PROCESSES) if key in state}  # PROCESSES: absent before it was kept
+    if PROCESS_COUNT in state and not (_count(state[PROCESS_COUNT]) and state[PROCESS_COUNT] > 0):
+        raise TrainingCheckpointError(
+            f"{path} is corrupt: {PROCESS_COUNT} is {state[PROCESS_COUNT]!r}, and must be a positive integer (the "
+            "number of processes that wrote it); it cannot be resumed."
+        )
+    return {key: state[key] for key in (*keys, PROCESS_COUNT) if key in state}  # the count: absent in older ones
 
 
 def checkpoints_newest_first(output: Path) -> tuple[list[tuple[Path, dict[str, int]]], list[str]]:

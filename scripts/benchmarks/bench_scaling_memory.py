@@ -236,6 +236,19 @@ def worker(spec_json: str) -> None:
 # --- the driver ------------------------------------------------------------------------------------------------
 
 
+def _wait_in_order(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Wait for every rank; their indices in the order they ended (within one 20 ms look, a rank that failed with
+    an error before one ended by a signal). ``subprocess.TimeoutExpired`` past ``timeout``."""
+    deadline, ended = time.monotonic() + timeout, []
+    while len(ended) < len(procs):
+        now = [rank for rank, proc in enumerate(procs) if rank not in ended and proc.poll() is not None]
+        ended += sorted(now, key=lambda rank: procs[rank].returncode < 0)
+        if len(ended) < len(procs) and time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(procs[0].args, timeout)
+        time.sleep(0.02)
+    return ended
+
+
 def run_measurement(args: argparse.Namespace, config: str, scheme: str, length: int, timeout: float) -> dict:
     """Start the ranks of one measurement as fresh processes; per-rank results, or why there are none."""
     world = args.world if config in MULTI_RANK else 1
@@ -249,10 +262,8 @@ def run_measurement(args: argparse.Namespace, config: str, scheme: str, length: 
                     "threads": max(1, args.threads // world), "store": os.path.join(directory, "store")}
             procs.append(subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)],
                                           env=env, stdout=logs[rank], stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + min(timeout, 1e6)
         try:
-            for proc in procs:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            ended = _wait_in_order(procs, min(timeout, 1e6))
         except subprocess.TimeoutExpired:
             for proc in procs:
                 proc.kill()
@@ -264,9 +275,9 @@ def run_measurement(args: argparse.Namespace, config: str, scheme: str, length: 
                 log.seek(0)
                 outputs.append(log.read())
                 log.close()
-        failed = [(proc.returncode, out) for proc, out in zip(procs, outputs, strict=True) if proc.returncode != 0]
-        if failed:  # a rank ended by a signal first: the others then fail on its closed connection
-            code, out = min(failed, key=lambda failure: failure[0] >= 0)
+        failed = [rank for rank in ended if procs[rank].returncode != 0]
+        if failed:  # the first rank to fail is the cause: the others then fail on its closed connection
+            code, out = procs[failed[0]].returncode, outputs[failed[0]]
             lines = [line for line in out.strip().splitlines() if line.strip()] or ["no output"]
             return {"error": f"exit {code}: {lines[-1][:300]}"}
         ranks = [json.loads(Path(path).read_text(encoding="utf-8")) for path in results]

@@ -7,8 +7,8 @@ environment, and record the results in docs/compatibility.md.
     python scripts/maintenance/compat.py --versions 5.14.1 5.20.2
     # what CI runs: exit 1 on any failure, docs untouched
     python scripts/maintenance/compat.py --versions floor latest --check
-    # the newest releases on a newer torch (2.14.1: a CUDA build of 5.5 GB, on this machine's disk; runs on the CPU)
-    python scripts/maintenance/compat.py --versions latest --torch 2.14.1
+    # the newest releases on another torch (PyPI's Linux wheels are CUDA builds of about 5.5 GB; they run on the CPU)
+    python scripts/maintenance/compat.py --versions latest --torch 2.15.0
 
 Each version gets ``.venvs/compat-<label>`` (kept and reused; ``--fresh`` rebuilds it): torch 2.13.0 (the local CPU
 wheel; ``--torch`` names another release, in ``compat-<label>-torch<release>``), hf_posswap with its test extras,

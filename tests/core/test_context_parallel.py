@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_model, swapped
-from process_launch import check_processes, free_port, run_again_if_killed
+from process_launch import free_port, run_again_if_killed, wait_for_ranks
 
 import hf_posswap as ps
 from hf_posswap.core import context_parallel, ring_function
@@ -352,12 +351,8 @@ def expected_paths(case: str) -> list[str]:
 def run_ranks(world: int, cases: list) -> list[dict]:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
-    processes = [
-        subprocess.Popen([sys.executable, str(WORKER), str(rank), str(world), json.dumps(cases)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for rank in range(world)
-    ]
-    results = [json.loads(line) for out in check_processes(processes) for line in out.splitlines()
+    commands = [[sys.executable, str(WORKER), str(rank), str(world), json.dumps(cases)] for rank in range(world)]
+    results = [json.loads(line) for out in wait_for_ranks(commands, env) for line in out.splitlines()
                if line.startswith("{")]
     assert len(results) == world * len(cases)
     return results

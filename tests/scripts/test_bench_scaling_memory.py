@@ -47,7 +47,6 @@ def test_markdown_names_why_a_row_has_no_numbers() -> None:
     assert all(line.count("|") == 14 for line in table.splitlines() if line.startswith("|"))
 
 
-@pytest.mark.slow  # 3-4 fresh interpreters, ~40 s on 2 cores
 def _tiny_run(folder: Path) -> tuple[dict, Path]:
     """The benchmark's rows by config, and its table; a rank killed by a signal (gloo) runs it again."""
     out, table = folder / "m.json", folder / "m.md"
@@ -60,6 +59,7 @@ def _tiny_run(folder: Path) -> tuple[dict, Path]:
     return rows, table
 
 
+@pytest.mark.slow  # 3-4 fresh interpreters, ~40 s on 2 cores
 def test_a_tiny_run_writes_every_row_and_fsdp_halves_each_ranks_bytes(tmp_path: Path) -> None:
     rows, table = run_again_if_killed(_tiny_run, tmp_path)
     assert set(rows) == {"ckpt", "fsdp"} and "| fsdp | alibi | 64 | 2 |" in table.read_text(encoding="utf-8")

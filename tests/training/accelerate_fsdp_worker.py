@@ -71,7 +71,7 @@ def kill_during_save(step: int | None) -> None:
 
     if step is None or os.environ.get("LOCAL_RANK") != "1":
         return
-    original_checkpoint, original_write = loop._save_checkpoint, dcp.save
+    original_checkpoint = loop._save_checkpoint
 
     def save_checkpoint(accelerator, output, position):
         if position["step"] == step:
@@ -85,8 +85,8 @@ def kill_during_save(step: int | None) -> None:
             dcp.save = write_part_then_die
         return original_checkpoint(accelerator, output, position)
 
+    save_checkpoint.original = getattr(original_checkpoint, "original", original_checkpoint)
     loop._save_checkpoint = save_checkpoint
-    dcp.save = original_write
 
 
 def main(runs_file: str) -> None:

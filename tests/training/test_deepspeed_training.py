@@ -138,7 +138,7 @@ def _kill_while_saving(root: Path) -> None:
     try:
         spawn(_worker, args=(free_port(), str(root), "killed"), processes=WORLD)
     except KilledBySignal as killed:
-        if "SIGKILL" not in str(killed):
+        if "process 1 ended by SIGKILL" not in str(killed):  # gloo's crash instead: the whole fixture runs again
             raise
     else:
         raise AssertionError("process 1 was not killed while it saved")

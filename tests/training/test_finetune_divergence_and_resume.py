@@ -165,7 +165,7 @@ def test_a_checkpoint_continues_only_in_as_many_processes_as_wrote_it(workspace,
     assert "accelerate launch --num_processes 2" in line and "--overwrite-output-dir" in line
     assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == files
     state.write_text(json.dumps({**recorded, "processes": 0}))
-    assert "processes must be a positive integer" in one_line_error(
+    assert "processes is 0, and must be a positive integer" in one_line_error(
         capsys, main(argv(workspace, tmp_path, "--resume", "--steps", "4")))
     # a checkpoint written before the count was kept resumes as before
     state.write_text(json.dumps({key: value for key, value in recorded.items() if key != "processes"}))

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from process_launch import KilledBySignal, check_processes, run_again_if_killed, run_launcher
+from process_launch import KilledBySignal, run_again_if_killed, run_launcher, wait_for_ranks
 
 ABORTS = "import os; os.abort()"
 FAILS = "raise SystemExit('a check failed')"
 PRINTS = "print('{\"done\": 1}')"
+LATER = "import time; time.sleep(0.5); "  # ends after the others (a peer failing on the closed connection)
 #: how torchrun's elastic agent ends its report when one process aborted and it stopped the other
 TORCHRUN_REPORT = """Failures:
   [1]:
@@ -22,10 +22,20 @@ TORCHRUN_REPORT = """Failures:
     rank      : 1 (local_rank: 1)
     exitcode  : {code} (pid: 10900)
 """
+#: one process failed with an error of its own; the other then died by a signal on the closed connection
+PEER_ABORTED_AFTER = """Failures:
+  [1]:
+    rank      : 0 (local_rank: 0)
+    exitcode  : -6 (pid: 10899)  (SIGABRT)
+  Root Cause (first observed failure):
+  [0]:
+    rank      : 1 (local_rank: 1)
+    exitcode  : 1 (pid: 10900)
+"""
 
 
-def _python(code: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
 
 
 def _launcher_printing(report: str) -> list[str]:
@@ -33,11 +43,13 @@ def _launcher_printing(report: str) -> list[str]:
 
 
 def test_a_process_ended_by_a_signal_is_told_from_one_that_failed() -> None:
-    assert check_processes([_python(PRINTS), _python(PRINTS)]) == ['{"done": 1}\n'] * 2
-    with pytest.raises(KilledBySignal, match="process 1 ended by signal 6"):
-        check_processes([_python(FAILS), _python(ABORTS)])  # the peer's own error comes after the abort
+    assert wait_for_ranks([_python(PRINTS), _python(PRINTS)], env={}) == ['{"done": 1}\n'] * 2
+    with pytest.raises(KilledBySignal, match="rank 1 exit -6"):
+        wait_for_ranks([_python(LATER + FAILS), _python(ABORTS)], env={})  # the error came after the abort
+    with pytest.raises(AssertionError, match="a check failed"):  # the abort came after the error: not a retry
+        wait_for_ranks([_python(FAILS), _python(LATER + ABORTS)], env={})
     with pytest.raises(AssertionError, match="a check failed"):
-        check_processes([_python(PRINTS), _python(FAILS)])
+        wait_for_ranks([_python(PRINTS), _python(FAILS)], env={})
 
 
 def test_torchrun_reports_are_read_for_the_signal_that_ended_a_process() -> None:
@@ -45,6 +57,8 @@ def test_torchrun_reports_are_read_for_the_signal_that_ended_a_process() -> None
         run_launcher(_launcher_printing(TORCHRUN_REPORT.format(code=-6)), env={})
     with pytest.raises(AssertionError):  # an error of its own; the other process's SIGTERM came from torchrun
         run_launcher(_launcher_printing(TORCHRUN_REPORT.format(code=1)), env={})
+    with pytest.raises(AssertionError):  # the first failure was an error: the later abort does not make it a retry
+        run_launcher(_launcher_printing(PEER_ABORTED_AFTER), env={})
 
 
 def test_only_killed_runs_are_started_again_each_in_a_fresh_folder(tmp_path: Path) -> None:
@@ -70,5 +84,5 @@ def test_only_killed_runs_are_started_again_each_in_a_fresh_folder(tmp_path: Pat
         run_again_if_killed(fails, tmp_path / "other")
     assert folders[-1].name == "attempt-1" and len(folders) == 3, "a failed check is never run again"
     with pytest.raises(KilledBySignal), pytest.warns(UserWarning):
-        run_again_if_killed(lambda folder: check_processes([_python(ABORTS)]), tmp_path / "always", attempts=2)
+        run_again_if_killed(lambda folder: wait_for_ranks([_python(ABORTS)], env={}), tmp_path / "always", attempts=2)
     assert sorted(p.name for p in (tmp_path / "always").iterdir()) == ["attempt-1", "attempt-2"]
