@@ -3,10 +3,10 @@
 On 2 CPU cores, a process of a multi-process run sometimes dies inside torch's gloo collectives: SIGABRT ("terminate
 called without an active exception") or SIGSEGV, which a faulthandler trace placed in the functional collectives'
 ``wait_tensor`` while ``get_model_state_dict`` gathered the full state. It was seen mid-run in 2 of 26 runs of the
-``fully_shard`` tests and once in CI under accelerate's FSDP (0 of 25 runs of that file here), and not in 400 gathers of
-FSDP2 alone on plain Linear layers. Such a run is started again from scratch in a fresh folder: ``run_again_if_killed``.
-A process that ends with an error (an exception, a failed check) is never retried, and the checks only read what a
-completed run wrote.
+``fully_shard`` tests and in CI under accelerate's FSDP and DeepSpeed (0 of 25 runs of the FSDP file here), and not in
+400 gathers of FSDP2 alone on plain Linear layers. When the first process of a run to fail was killed by a signal, the
+run is started again from scratch in a fresh folder: ``run_again_if_killed``. A run whose first failure is an error of
+its own (an exception, a failed check) is never retried, and the checks only read what a completed run wrote.
 """
 
 from __future__ import annotations
