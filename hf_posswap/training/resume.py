@@ -167,8 +167,8 @@ def load_checkpoint(accelerator, resume: dict[str, Any], config: FinetuneConfig)
         try:
             check_process_count(path, state, accelerator.num_processes)
         except ResumeError as refused:
-            if passed_over:  # an older checkpoint after the newer did not load: say so too
-                raise ResumeError(f"{refused} (The newer ones: {' '.join(passed_over)})") from None
+            if passed_over:  # reached after others were passed over: say why those were
+                raise ResumeError(f"{refused} It was tried because of: {' '.join(passed_over)}") from None
             raise
         try:
             accelerator.load_state(str(path))

@@ -167,6 +167,17 @@ def test_a_checkpoint_continues_only_in_as_many_processes_as_wrote_it(workspace,
     state.write_text(json.dumps({**recorded, "processes": 0}))
     assert "processes is 0, and must be a positive integer" in one_line_error(
         capsys, main(argv(workspace, tmp_path, "--resume", "--steps", "4")))
+    # an older checkpoint of another count, tried because the newest does not load: both reasons in one line
+    run(workspace, tmp_path / "fallback", steps=4, save_every=2)
+    checkpoints = tmp_path / "fallback" / "checkpoints"
+    older = checkpoints / "step-2" / "trainer_state.json"
+    older.write_text(json.dumps({**json.loads(older.read_text()), "processes": 2}))
+    newest = checkpoints / "step-4" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated: does not load
+    line = one_line_error(capsys, main(argv(workspace, tmp_path / "fallback", "--resume", "--steps", "6",
+                                            "--save-every", "2")))
+    assert "step-2 was written by 2 process(es)" in line and "tried because of" in line, line
+    assert "step-4 does not load" in line, line
     # a checkpoint written before the count was kept resumes as before
     state.write_text(json.dumps({key: value for key, value in recorded.items() if key != "processes"}))
     assert main(argv(workspace, tmp_path, "--resume", "--steps", "4")) == 0 and steps_logged(tmp_path) == [1, 2, 3, 4]
