@@ -57,7 +57,7 @@ NOT_RUN = {
         "merges runs' results (GPU seeds, CPU parts); tests/scripts/test_bench_tiny_report.py tests the merge",
     "python -m pytest": "is this test suite (CONTRIBUTING's commands to run it)",
     "ruff check": "lint; a development tool, not a package dependency",
-    "bash scripts/gpu_check.sh": "needs a CUDA GPU; its --rehearse mode runs the same steps on the CPU by hand",
+    "bash scripts/gpu_check.sh": "needs a CUDA GPU; tests/scripts/test_gpu_check_script.py runs its --rehearse mode",
     "python scripts/benchmarks/bench_speed.py":
         "measures for minutes to most of an hour; tests/scripts/test_bench_speed.py runs it on tiny settings",
     "python scripts/benchmarks/bench_tiny.py --quick":

@@ -175,7 +175,7 @@ class Rank:
         grads = local_bytes(p.grad for p in trainable)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_bytes": grads, "optimizer_bytes": optimizer_bytes(self.optimizer), "loss": float(loss)}
+        return {"grad_bytes": grads, "optimizer_bytes": optimizer_bytes(self.optimizer), "loss": float(loss.detach())}
 
 
 def measure_rank(spec: dict) -> dict:

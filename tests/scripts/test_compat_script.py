@@ -34,6 +34,11 @@ def table_rows() -> list[list[str]]:
     return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
 
 
+#: the table's column names, in order
+HEADER = [cell.strip() for cell in DOC.read_text(encoding="utf-8").split("<!-- compatibility-table:start -->")[1]
+          .strip().splitlines()[0].strip("|").split("|")]
+
+
 def test_the_floor_environment_pins_every_declared_floor(compat) -> None:
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     pins = compat.requirements("floor")
@@ -50,19 +55,21 @@ def test_releases_below_the_floor_install_without_the_packages_range(compat) -> 
 
 
 def test_a_new_run_replaces_the_row_of_its_releases_and_keeps_the_others(compat, tmp_path, monkeypatch) -> None:
-    def line(transformers: str, torch: str, note: str) -> str:
-        return f"| {transformers} | 0.21.2 | 1.15.0 | 0.8.0 | 6.2.0 | {torch} | {note} |"
+    def line(transformers: str, torch: str, note: str, python: str = "3.11.7") -> str:
+        return f"| {transformers} | 0.21.2 | 1.15.0 | 0.8.0 | 6.2.0 | {torch} | {python} | {note} |"
 
     doc = tmp_path / "compatibility.md"
     cpu = "2.13.0+cpu"
     old = [line("5.9.0", cpu, "old"), line("5.10.0", cpu, "kept"), line("5.24.0", cpu, "kept")]
     doc.write_text(f"intro\n{compat.START}\n{compat.HEADER}\n" + "\n".join(old) + f"\n{compat.END}\nend\n")
     monkeypatch.setattr(compat, "DOC", doc)
-    new = [line("5.9.0", cpu, "new"), line("5.24.0", "2.14.1", "added"), line("5.30.0", cpu, "added")]
+    new = [line("5.9.0", cpu, "new"), line("5.24.0", "2.14.1", "added"), line("5.30.0", cpu, "added"),
+           line("5.9.0", cpu, "added", python="3.10.13")]
     compat.update_doc(new)
     text = doc.read_text()
     assert text.startswith("intro\n") and text.endswith("end\n")
-    order = [new[0], old[1], old[2], new[1], new[2]]  # by transformers, then torch; another torch is another row
+    # by transformers, then torch, then Python; another torch or Python is another row
+    order = [new[3], new[0], old[1], old[2], new[1], new[2]]
     assert [text.index(row) for row in order] == sorted(text.index(row) for row in order)
     assert "old" not in text
 
@@ -73,7 +80,7 @@ def test_the_table_shows_the_declared_window_passing() -> None:
         of_release = [cells for cells in rows if cells[0] == release]
         assert of_release, f"docs/compatibility.md has no row for transformers {release}"
         for cells in of_release:
-            suite, doctor = cells[6], cells[7]
+            suite, doctor = cells[HEADER.index("fast suite")], cells[HEADER.index("doctor")]
             assert re.fullmatch(r"\d+ passed, 0 failed, \d+ skipped", suite) and doctor == "passed", cells
 
 
@@ -82,5 +89,39 @@ def test_every_release_in_the_window_that_was_run_passed() -> None:
         return tuple(int(part) for part in version.split("."))
 
     inside = [cells for cells in table_rows() if key(OLDEST_TESTED) <= key(cells[0]) <= key(NEWEST_TESTED)]
-    failing = [cells for cells in inside if " 0 failed" not in cells[6]]
+    failing = [cells for cells in inside if " 0 failed" not in cells[HEADER.index("fast suite")]]
     assert not failing
+
+
+def test_the_interpreter_is_found_by_version_and_a_missing_one_is_refused(compat) -> None:
+    import sys
+
+    running = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert compat.minor_version(compat.find_python(running)) == running
+    assert compat.find_python(sys.executable) == sys.executable
+    assert compat.minor_version(compat.find_python("python3")).startswith("3.")  # a command on PATH
+    for missing in ("3.99", "/no/such/python", "no-such-python"):
+        with pytest.raises(SystemExit, match=rf"--python {re.escape(missing)}: no such interpreter runs here"):
+            compat.find_python(missing)
+
+
+def test_a_path_in_the_way_of_an_environment_is_refused_and_kept(compat, tmp_path) -> None:
+    broken_link, folder = tmp_path / "compat-5.9.0", tmp_path / "compat-5.10.0"
+    broken_link.symlink_to(tmp_path / "gone")
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    for venv in (broken_link, folder):
+        with pytest.raises(SystemExit, match=rf"{re.escape(str(venv))} is in the way: it is not a virtual environment"):
+            compat.build("5.9.0", venv, fresh=True, log=tmp_path / "log")
+    assert broken_link.is_symlink() and (folder / "notes.txt").read_text() == "mine"
+
+
+def test_every_python_the_package_claims_has_a_passing_row() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    claimed = re.findall(r'"Programming Language :: Python :: (3\.\d+)"', pyproject)
+    floor = re.search(r'^requires-python = ">=(3\.\d+)"', pyproject, re.MULTILINE).group(1)
+    assert floor in claimed, f"requires-python's floor {floor} is not among the classifiers {claimed}"
+    suite, doctor, python = (HEADER.index(name) for name in ("fast suite", "doctor", "python"))
+    passed = {".".join(cells[python].split(".")[:2]) for cells in table_rows()
+              if " 0 failed" in cells[suite] and cells[doctor] == "passed"}
+    assert not set(claimed) - passed, f"classifiers claim Pythons without a passing row: {set(claimed) - passed}"
