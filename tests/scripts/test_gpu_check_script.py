@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh still names what exists: a session lent a GPU has minutes of it, so a test file renamed, a
+"""scripts/gpu_check.sh still names what exists: a lent GPU is there for minutes only, so a test file renamed, a
 parametrize id changed or a benchmark option dropped since the script was written must fail here, on the CPU, and
 not there. (``bash scripts/gpu_check.sh --rehearse`` runs its steps on the CPU by hand; this checks what it names.)
 """
