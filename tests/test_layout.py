@@ -44,11 +44,20 @@ def imports(path: Path) -> set[str]:
                 found.add(".".join(target))
             else:
                 found.update(".".join([*target, alias.name]) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hf_posswap."):
-            found.add(node.module.removeprefix("hf_posswap."))
+        elif isinstance(node, ast.ImportFrom) and _ours(node.module or ""):
+            found.add(_below_package(node.module))
         elif isinstance(node, ast.Import):
-            found.update(a.name.removeprefix("hf_posswap.") for a in node.names if a.name.startswith("hf_posswap."))
+            found.update(_below_package(alias.name) for alias in node.names if _ours(alias.name))
     return {f for f in found if f}
+
+
+def _ours(absolute: str) -> bool:
+    return absolute == "hf_posswap" or absolute.startswith("hf_posswap.")
+
+
+def _below_package(absolute: str) -> str:
+    """``hf_posswap.core.swap`` -> ``core.swap``; the package itself (``import hf_posswap``) -> ``__init__``."""
+    return "__init__" if absolute == "hf_posswap" else absolute.removeprefix("hf_posswap.")
 
 
 def layer(module: str) -> int:

@@ -80,19 +80,21 @@ def _tiny_model(family: str, attention: str = "sdpa") -> nn.Module:
 
 def _kinds() -> dict[str, Callable[[nn.Module], Any]]:
     """Scheme kind -> how a tiny model is swapped to it."""
-    import hf_posswap as ps
+    from ..core.extend import extend_context
+    from ..core.swap import swap
+    from ..schemes import LayerMix
 
     def two_pass(model: nn.Module) -> None:
-        ps.swap(model, "rope", replace=True)
-        ps.extend_context(model, 2 * MAX_POSITIONS, "self_extend", group_size=4, neighbor_window=8)
+        swap(model, "rope", replace=True)
+        extend_context(model, 2 * MAX_POSITIONS, "self_extend", group_size=4, neighbor_window=8)
 
     return {
-        "absolute": lambda model: ps.swap(model, "sinusoidal"),
-        "rotary": lambda model: ps.swap(model, "rope", replace=True),
-        "bias (alibi)": lambda model: ps.swap(model, "alibi"),
-        "bias (t5)": lambda model: ps.swap(model, "t5"),
+        "absolute": lambda model: swap(model, "sinusoidal"),
+        "rotary": lambda model: swap(model, "rope", replace=True),
+        "bias (alibi)": lambda model: swap(model, "alibi"),
+        "bias (t5)": lambda model: swap(model, "t5"),
         "two-pass": two_pass,
-        "mix": lambda model: ps.swap(model, ps.LayerMix(default="t5", overrides=[("rope", [0])])),
+        "mix": lambda model: swap(model, LayerMix(default="t5", overrides=[("rope", [0])])),
     }
 
 
