@@ -57,10 +57,6 @@ class SetAttribute(Edit):
         self._value: Any = _MISSING
         self._old: Any = _MISSING
 
-    @property
-    def value(self) -> Any:
-        return None if self._value is _MISSING else self._value
-
     def apply(self) -> None:
         self._old = getattr(self.owner, self.attr, _MISSING)
         if self._value is _MISSING:
@@ -121,10 +117,6 @@ class WrapForward(Edit):
         self._built: Any = None  # the wrapper object, reused when re-applied after a revert
         self._previous: Any = _MISSING
         self._slot = "forward"  # the attribute apply replaced: forward, or accelerate's _old_forward
-
-    @property
-    def wrapper(self) -> Any:
-        return self._wrapper
 
     def apply(self) -> None:
         self._slot = slot = _forward_slot(self.module)

@@ -110,7 +110,7 @@ def registered():
     schemes, families = SCHEME_REGISTRY.names(), FAMILY_REGISTRY.names()
     register_scheme(ToyDecayConfig)
     register_family(OlmoAdapter)
-    register_auto_classes(["olmo"])  # step 2 of "Adding a family" (the package does it in autoload.register)
+    register_auto_classes(["olmo"])  # step 2 of "Adding a family" (import hf_posswap does it: register_config_classes)
     yield
     SCHEME_REGISTRY._items.pop("toy_decay")
     FAMILY_REGISTRY._items.pop("olmo")

@@ -1,5 +1,6 @@
-"""Files a newcomer relies on: the LICENSE matches pyproject, examples/README.md lists every example, and the
-README's line that prints where the offline checkpoints live works."""
+"""Files a newcomer relies on: the LICENSE matches pyproject, examples/README.md lists every example, every dotted
+``hf_posswap.<module>.<name>`` the text mentions exists, and the README's line that prints where the offline checkpoints
+live works."""
 
 from __future__ import annotations
 
@@ -32,6 +33,53 @@ def test_examples_readme_lists_every_example_with_a_runtime() -> None:
     assert sorted(rows) == scripts
     for name, row in rows.items():
         assert re.search(r"\d+ (s|min)", row), f"{name} has no runtime"
+
+
+#: a dotted name under the package, as docstrings, comments, error messages and docs write it
+DOTTED_NAME = re.compile(r"\bhf_posswap(?:\.[A-Za-z_]\w*)+(?![\w<])")
+
+
+def _resolves(dotted: str) -> bool:
+    """True when ``dotted`` is a module, or a module's attribute (its longest importable prefix, then getattr)."""
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for name in parts[split:]:
+            if not hasattr(found, name):
+                return False
+            found = getattr(found, name)
+        return True
+    return False
+
+
+def test_every_dotted_name_the_text_mentions_exists() -> None:
+    """A docstring or an error that names a function in the module it lived in before a move sends the reader
+    nowhere; the package, docs, examples, scripts and tests are read for such names."""
+    texts = [*(ROOT / "hf_posswap").rglob("*.py"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md",
+             ROOT / "CONTRIBUTING.md", *(ROOT / "examples").glob("*.py"), *(ROOT / "scripts").rglob("*.py"),
+             *(ROOT / "tests").rglob("*.py")]
+    missing = []
+    for path in texts:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for match in DOTTED_NAME.finditer(line):
+                name = match.group(0)
+                if not name.endswith((".py", ".md", ".json")) and not _resolves(name):
+                    missing.append(f"{path.relative_to(ROOT)}:{number}: {name}")
+    assert not missing, "names that do not exist:\n" + "\n".join(missing)
+
+
+def test_architecture_page_lists_every_attention_path() -> None:
+    """docs/architecture.md's table of attention paths names each path core/paths.py records, and no other."""
+    from hf_posswap.core import paths
+
+    recorded = {value for name, value in vars(paths).items() if name.isupper() and isinstance(value, str)}
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = page[page.index("| path name |"):].split("\n\n")[0]
+    listed = {name for row in table.splitlines()[2:] for name in re.findall(r"`([a-z0-9-]+)`", row.split(" | ")[0])}
+    assert listed == recorded
 
 
 @pytest.mark.slow

@@ -105,8 +105,9 @@ def _load(path: str, task: str = "saved", merge: bool = True):
 
 def _save(model, tokenizer, output: str, overwrite: bool) -> None:
     """``save_pretrained`` (and the tokenizer) into a staging directory beside ``output``, then moved into place."""
-    from ..persistence.saving import staged_directory
+    from ..persistence.saving import check_finite_weights, staged_directory
 
+    check_finite_weights(model)
     with staged_directory(output, overwrite) as staging:
         model.save_pretrained(staging)
         if tokenizer is not None:
@@ -368,10 +369,22 @@ def _run(argv: list[str]) -> int:
     except (PosSwapError, OSError) as error:
         print(f"hf-posswap {command}: {in_cli_words(command, one_line(error))}", file=sys.stderr)
         return 1
+    except (MemoryError, RuntimeError) as error:
+        if not _out_of_memory(error):
+            raise
+        print(f"hf-posswap {command}: ran out of memory ({one_line(error)[:300]}). Nothing was written; use a "
+              "smaller model, batch, length or option value, or a machine with more memory.", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"hf-posswap {command}: interrupted; outputs are written atomically, so nothing half-written was "
               "left.", file=sys.stderr)
         return 130
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """A failed allocation: Python's MemoryError, torch's CPU allocator or CUDA's out-of-memory error."""
+    text = str(error)
+    return isinstance(error, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()
 
 
 #: commands that load or save checkpoints through transformers (whose loading and saving bars are its own)

@@ -11,14 +11,6 @@ from ..families.base import FAMILY_REGISTRY
 from ..schemes.base import SCHEME_REGISTRY
 from ..schemes.rope import RopeConfig
 
-PLACEMENT = {
-    "absolute": "vectors added to the token embeddings",
-    "rotary": "q/k rotation",
-    "bias": "attention-logit bias",
-    "none": "nothing",
-}
-
-
 #: what a cell of the support matrix means
 LEGEND = {
     "native": "transformers' own `config.rope_parameters` where the family's rotary class expresses the settings "

@@ -12,7 +12,6 @@ import re
 #: (command or None for all, pattern, replacement), applied in order
 _REWRITES: tuple[tuple[str | None, str, str], ...] = (
     (None, r"List them with hf_posswap\.available_schemes\(\)\.", "List them with `hf-posswap schemes`."),
-    (None, r"See hf_posswap\.available_scalings\(\)\.", "See `hf-posswap extend --help` for the methods."),
     (None, r" \(overwrite=True\)", ""),
     (None, r"\bpass ignore_mismatched_sizes=True\b", "load it in Python with ignore_mismatched_sizes=True"),
     # `hf-posswap extend --to N` is extend_context(model, max_positions=N)

@@ -2,7 +2,7 @@
 
 Registered through transformers' own extension points (``AttentionInterface`` and ``AttentionMaskInterface``) as
 ``posswap_eager`` and ``posswap_sdpa``; ``swap`` selects one with ``model.set_attn_implementation``. Both read the
-:class:`~hf_posswap.context.PositionContext` passed down by the position hook, then:
+:class:`~hf_posswap.core.context.PositionContext` passed down by the position hook, then:
 
 - rotary schemes rotate q and k by their positions; keys held by a KV cache are rotated once, where they enter it
   (:mod:`~hf_posswap.core.rotary_cache`), so a decode step rotates only the new tokens;
@@ -305,9 +305,9 @@ def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _needs_self_extend(module: nn.Module, query: torch.Tensor, context: PositionContext | None) -> bool:
     """Two-pass attention (Self-Extend, ReRoPE) runs only past its settings' ``start`` (shorter inputs group no
     pair), and only in self-attention."""
-    if context is None or context.self_extend is None or not context.is_self_attention(module):
+    if context is None or context.two_pass is None or not context.is_self_attention(module):
         return False
-    return context.query_offset + query.shape[2] > context.self_extend[2]
+    return context.query_offset + query.shape[2] > context.two_pass.start
 
 
 def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], fused: bool) -> Callable[..., Any]:

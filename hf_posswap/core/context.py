@@ -30,6 +30,7 @@ from torch import nn
 
 from ..errors import IncompatibleAttentionError, InvalidConfigError
 from ..families.base import FamilyAdapter, default_position_ids
+from ..schemes.two_pass import TwoPassSettings
 from ..transformers_internals import (
     CACHE_KWARG,
     KNOWN_CACHE_KWARGS,
@@ -51,17 +52,17 @@ POSITIONS_ATTR = "posswap_positions"
 class LayerPlan:
     """What a layer mix fixes at swap time, per layer: the kind of its part (``temperature``: a NoPE layer with
     Llama 4's query temperature), the part's index (layers of one part share a memo), whether the part shares its
-    positions across its layers, and its Self-Extend settings."""
+    positions across its layers, and its two-pass settings (Self-Extend, ReRoPE)."""
 
     kinds: tuple[str, ...]
     parts: tuple[int, ...]
     shared: tuple[bool, ...]
-    self_extend: tuple[Any, ...]  # per layer: the part's two-pass settings (Self-Extend, ReRoPE) or None
+    two_pass: tuple[TwoPassSettings | None, ...]  # per layer: the part's two-pass settings, or None
 
     @property
     def needs_padded_positions(self) -> bool:
         """Self-Extend and the query temperature depend on absolute positions (padding must not count)."""
-        return "temperature" in self.kinds or any(settings is not None for settings in self.self_extend)
+        return "temperature" in self.kinds or any(settings is not None for settings in self.two_pass)
 
 
 @dataclass
@@ -77,8 +78,8 @@ class PositionContext:
     query_offset: int
     is_self_attention: Callable[[nn.Module], bool]
     layer_shared: bool = True
-    #: (group size, neighbour window, original length) when Self-Extend is on
-    self_extend: tuple[int, int, int] | None = None
+    #: the two-pass attention settings (group, window, start) of Self-Extend and ReRoPE; None without them
+    two_pass: TwoPassSettings | None = None
     #: per-forward memo for gradient-free intermediates shared across layers (bucket ids, merged masks)
     memo: dict = field(default_factory=dict)
 
@@ -115,7 +116,7 @@ class PositionContext:
                 positions=self.positions(index) if self.positions is not None else None,  # called: peft's copy
                 kind=plan.kinds[index],
                 layer_shared=plan.shared[index],
-                self_extend=plan.self_extend[index],
+                two_pass=plan.two_pass[index],
                 memo=self.memo.setdefault(("part-memo", part), {}),
                 layers=None,
             )
@@ -177,7 +178,7 @@ class PositionHook:
         adds_absolute: bool,
         feeds_attention: bool,
         layer_shared: bool = True,
-        self_extend: tuple[int, int, int] | None = None,
+        two_pass: TwoPassSettings | None = None,
         carriers: dict[str, str] | None = None,
         combine: str = "add",
         layers: LayerPlan | None = None,
@@ -187,7 +188,7 @@ class PositionHook:
         self.layers = layers
         #: user's attention implementation -> the one that reads the context (in-attention schemes need one)
         self.carriers = dict(carriers or {})
-        self.self_extend = self_extend
+        self.two_pass = two_pass
         self.kind = kind
         self.layer_shared = layer_shared
         self.adds_absolute = adds_absolute
@@ -213,7 +214,7 @@ class PositionHook:
         if shard is not None:
             query_offset = shard.starts[shard.rank]  # the shard's global positions
         if self.layers is None:
-            refuse_foreign_rotation(cache, getattr(base, POSITIONS_ATTR, None), self.kind, self.self_extend)
+            refuse_foreign_rotation(cache, getattr(base, POSITIONS_ATTR, None), self.kind, self.two_pass)
         else:
             _refuse_foreign_rotation_per_layer(cache, getattr(base, POSITIONS_ATTR, None), self.layers)
         self.adapter.prepare_inputs(base, kwargs, query_offset)
@@ -228,14 +229,14 @@ class PositionHook:
                 query_offset,
                 self.adapter.is_self_attention,
                 self.layer_shared,
-                self.self_extend,
+                self.two_pass,
             )
             # under context parallelism the shard carries the whole sequence's position ids (RingShard.explicit)
             context.row_positions = None if shard is not None else explicit_positions(kwargs, query_offset, cache)
             context.cache = cache
             context.layers = self.layers
             context.ring = shard
-            if self.self_extend is not None or (self.layers is not None and self.layers.needs_padded_positions):
+            if self.two_pass is not None or (self.layers is not None and self.layers.needs_padded_positions):
                 context.padded_positions = padded_positions(kwargs.get("attention_mask"))
             kwargs[CONTEXT_KWARG] = context
         return (), kwargs, ForwardCheck(cache is not None, _new_tokens(kwargs), context)
@@ -273,7 +274,7 @@ class PositionHook:
             embeds = base.get_input_embeddings()(kwargs["input_ids"])
             kwargs["input_ids"] = None
         if position_ids is None:
-            position_ids = default_position_ids(embeds.shape[0], embeds.shape[1], query_offset, embeds.device)
+            position_ids = default_position_ids(embeds.shape[1], query_offset, embeds.device)
         if combine == "concat":
             kwargs["inputs_embeds"] = positions(position_ids, embeds)
             return
@@ -288,7 +289,7 @@ def _refuse_foreign_rotation_per_layer(cache: Any, positions: nn.Module | None, 
         if marker is None or min(marker.count, int(getattr(layer, "get_seq_length", lambda: 0)())) <= 0:
             continue
         part = positions(index) if positions is not None else None
-        if plan.kinds[index] == "rotary" and rotates_once(part, plan.self_extend[index]):
+        if plan.kinds[index] == "rotary" and rotates_once(part, plan.two_pass[index]):
             continue
         raise InvalidConfigError(
             f"The KV cache holds keys that a model with RoPE inside attention stored rotated (layer {index}), and "

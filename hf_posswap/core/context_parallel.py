@@ -41,18 +41,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import InvalidConfigError
-from ..schemes.two_pass import TwoPassSettings
 from .context import PositionContext, PositionForward, PositionHook
-from .paths import note_path
+from .paths import RING, RING_FUSED, note_path
 from .ring_function import RingAttention, RingPlan, fused_applies
 from .ring_math import KeyBlock, QueryBlock
 from .ring_positions import key_block_positions, local_blocks, row_end
 from .self_extend import CHUNK_ELEMENTS, chunk_size
 
-#: the paths :mod:`hf_posswap.core.paths` records for a ring attention call: blocks as matmuls, or through the CPU
-#: flash kernel (:func:`~hf_posswap.core.ring_function.fused_applies`)
-RING = "ring"
-RING_FUSED = "ring-fused"
 #: scheme kinds the ring applies (others are refused by name)
 RING_KINDS = ("rotary", "bias", "head_mix", "temperature", "none", "absolute")
 
@@ -257,10 +252,10 @@ def ring_plan(
     and k, v [B, Hkv, q, D] of its shard (no communication)."""
     causal = bool(getattr(module, "is_causal", True))
     _refuse_packed(shard, causal)
-    if context.self_extend is not None and shard.total <= TwoPassSettings(*context.self_extend).start:
-        context = dataclasses.replace(context, self_extend=None)  # too short to group: plain, as in one process
+    if context.two_pass is not None and shard.total <= context.two_pass.start:
+        context = dataclasses.replace(context, two_pass=None)  # too short to group: plain, as in one process
     queries, own = local_blocks(query, key, value, context, shard)
-    settings = TwoPassSettings(*context.self_extend) if context.self_extend is not None else None
+    settings = context.two_pass
     scheme = _bias_scheme(context)
     parameters = tuple(p for p in scheme.parameters() if p.requires_grad) if scheme is not None else ()
     plan = RingPlan(

@@ -66,7 +66,7 @@ def describe(model: nn.Module) -> PositionDescription:
     """Describe the position mechanism of ``model`` (swapped or not; peft wrappers are looked through).
 
     Raises InvalidConfigError for a model loaded as the plain architecture from a swapped checkpoint
-    (``hf_posswap.restore.check_loaded``): calling it "native" would be wrong.
+    (``hf_posswap.core.native.check_loaded``): calling it "native" would be wrong.
     """
     model = unwrap_peft(model)
     check_loaded(model)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..edits import Edit, SetAttribute, apply_all
-from ..errors import InvalidConfigError, InvalidOptionError
+from ..errors import InvalidConfigError, InvalidOptionError, PosSwapError
 from ..families.base import FamilyAdapter, get_family
 from ..schemes.base import NativeWeightsMissingWarning, SchemeConfig
 from ..schemes.learned import LearnedConfig
@@ -33,7 +33,7 @@ from ..schemes.rope_scaling import SCALING_REGISTRY
 from ..transformers_internals import config_rope_parameters
 from .context import POSITIONS_ATTR
 from .mix import scale_rope_parts
-from .native import check_loaded, install_native_restorers, unwrap_peft
+from .native import check_loaded, install_native_restorers, record_is_native, unwrap_peft
 from .state import CONFIG_RECORD, SwapState, swap_state
 from .swap import swap
 
@@ -65,8 +65,14 @@ def extend_context(model: nn.Module, max_positions: int, method: str | None = No
     check_loaded(model)
     adapter = get_family(model)
     state = swap_state(model)
-    scheme = _current_scheme(model, adapter, state)
-    original, current = _lengths(model, state)
+    reloaded = _reloaded_native_rope(model, adapter) if state is None else None
+    scheme = reloaded[0] if reloaded else _current_scheme(model, adapter, state)
+    original, current = reloaded[1:] if reloaded else _lengths(model, state)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (original, current)):
+        raise InvalidConfigError(
+            f"This model's trained length is {original!r} (current {current!r}); extending needs positive integers. "
+            "Restore max_position_embeddings in its config (config.json) to the length it was trained at."
+        )
     if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
         raise InvalidConfigError(f"max_positions must be a positive integer, got {max_positions!r}.")
     _check_length_limit(max_positions)
@@ -81,7 +87,7 @@ def extend_context(model: nn.Module, max_positions: int, method: str | None = No
     elif method in TABLE_METHODS:
         plan = _table_plan(model, adapter, scheme, method, original, max_positions, options)
     elif method == LIFT:
-        plan = _lift_plan(scheme, method, options)
+        plan = _lift_plan(scheme, options)
     else:
         raise InvalidOptionError(
             f"Unknown extension method '{method}'. Methods: {', '.join(available_extension_methods())}."
@@ -101,7 +107,7 @@ def extend_context(model: nn.Module, max_positions: int, method: str | None = No
 
 def _reswap(model: nn.Module, config: SchemeConfig, replace: bool) -> None:
     """``swap(model, config, replace=...)`` for a new length. A reloaded model's native modules come back freshly
-    initialised on the way (``hf_posswap.restore``); they are not used here, so their warning waits for the
+    initialised on the way (``hf_posswap.persistence.restore``); they are not used here, so their warning waits for the
     user's own ``unswap``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NativeWeightsMissingWarning)
@@ -125,6 +131,32 @@ def _current_scheme(model: nn.Module, adapter: FamilyAdapter, state: SwapState |
     if adapter.absolute_table_path is not None:
         return LearnedConfig()
     return None
+
+
+def _reloaded_native_rope(model: nn.Module, adapter: FamilyAdapter) -> tuple[RopeConfig, int, int] | None:
+    """(the RoPE, the original trained length, the current length) of a native RoPE checkpoint that was extended,
+    saved and loaded back by plain transformers (it has no swap state). Its ``rope_parameters`` do not always say
+    where it came from: ``linear`` keeps no original length and static NTK only a raised base, so a second
+    extension would start from the extended length and raise the base again. The ``config.posswap`` record holds
+    both; it is read only while it still describes the config (its RoPE gives the config's ``rope_parameters`` and
+    its extension the config's length), so a config edited after saving is taken as it stands."""
+    record = getattr(model.config, CONFIG_RECORD, None)
+    if not record_is_native(record, adapter) or record.get("scheme") != "rope":
+        return None
+    extension = record.get("extension") if isinstance(record.get("extension"), dict) else {}
+    method = extension.get("method")
+    original, current = extension.get("original_max_position_embeddings"), extension.get("max_position_embeddings")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (original, current)):
+        return None
+    if _config_length(method, original, current) != model.config.max_position_embeddings:
+        return None
+    try:
+        rope = RopeConfig.from_options(rope_theta=record.get("rope_theta"), scaling=record.get("scaling"),
+                                       partial_rotary_factor=record.get("partial_rotary_factor", 1.0))
+        written = rope.rope_parameters(adapter.spec(model).head_dim)
+    except (PosSwapError, TypeError, ValueError):
+        return None
+    return (rope, original, current) if written == config_rope_parameters(model.config) else None
 
 
 def _lengths(model: nn.Module, state: SwapState | None) -> tuple[int, int]:
@@ -240,7 +272,7 @@ def _learned_table(model: nn.Module, adapter: FamilyAdapter) -> nn.Module:
     return getattr(slot[0], slot[1]) if slot is not None else getattr(base, POSITIONS_ATTR)
 
 
-def _lift_plan(scheme: SchemeConfig | None, method: str, options: dict) -> tuple[None, None]:
+def _lift_plan(scheme: SchemeConfig | None, options: dict) -> tuple[None, None]:
     """Nothing to rebuild: the scheme's modules (and trained T5 tables or ALiBi slopes) stay; only lengths change."""
     has_rope = isinstance(scheme, RopeConfig) or (isinstance(scheme, LayerMix) and bool(scheme.rope_parts()))
     if has_rope or isinstance(scheme, LearnedConfig) or scheme is None:
@@ -274,9 +306,7 @@ def _apply_length_edits(
     model: nn.Module, adapter: FamilyAdapter, method: str, original: int, max_positions: int, record: dict
 ) -> None:
     state = swap_state(model)
-    # transformers' dynamic NTK measures lengths against config.max_position_embeddings: keep the original there
-    config_length = original if method == "dynamic" else max_positions
-    edits: list[Edit] = adapter.length_edits(model, config_length)
+    edits: list[Edit] = adapter.length_edits(model, _config_length(method, original, max_positions))
     posswap_record = {**getattr(model.config, CONFIG_RECORD, {}), "extension": record}
     shown = {key: value for key, value in record.items() if key != "scaling"}  # the scaling is in the record above
     edits.append(SetAttribute(model.config, CONFIG_RECORD, lambda: posswap_record,
@@ -284,6 +314,12 @@ def _apply_length_edits(
     apply_all(edits)
     state.edits.extend(edits)  # type: ignore[union-attr]
     state.extension = record  # type: ignore[union-attr]
+
+
+def _config_length(method: str, original: int, max_positions: int) -> int:
+    """The ``max_position_embeddings`` an extension writes: transformers' dynamic NTK measures lengths against it, so
+    ``dynamic`` keeps the original there; every other method the new length."""
+    return original if method == "dynamic" else max_positions
 
 
 def replay_extension(model: nn.Module, record: dict[str, Any]) -> None:

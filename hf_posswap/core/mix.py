@@ -23,7 +23,8 @@ from ..schemes.base import ModelSpec, SchemeConfig
 from ..schemes.head_mix import HeadMix
 from ..schemes.mix import LayerMix
 from ..schemes.rope import RopeConfig
-from ..schemes.rope_scaling import SCALING_REGISTRY
+from ..schemes.rope_scaling import SCALING_REGISTRY, RopeScaling
+from ..schemes.two_pass import TwoPassSettings
 from ..transformers_internals import config_rope_parameters
 from .context import LayerPlan
 
@@ -32,9 +33,9 @@ NATIVE_SCALINGS = ("linear", "dynamic", "yarn", "longrope", "llama3")
 
 
 def layer_plan(
-    config: LayerMix, spec: ModelSpec, self_extend: Callable[[SchemeConfig], tuple[int, int, int] | None]
+    config: LayerMix, spec: ModelSpec, two_pass: Callable[[SchemeConfig], TwoPassSettings | None]
 ) -> LayerPlan:
-    """The per-layer facts of a (resolved) mix: kind, part index, shared positions, Self-Extend settings."""
+    """The per-layer facts of a (resolved) mix: kind, part index, shared positions, two-pass settings."""
     parts = config.parts(spec.num_layers)
     part_of = [0] * spec.num_layers
     for index, (_, layers) in enumerate(parts):
@@ -45,7 +46,7 @@ def layer_plan(
         kinds=tuple(config.layer_kinds(spec.num_layers)),
         parts=tuple(part_of),
         shared=tuple(scheme.layer_shared for scheme in schemes),
-        self_extend=tuple(self_extend(scheme) for scheme in schemes),
+        two_pass=tuple(two_pass(scheme) for scheme in schemes),
     )
 
 
@@ -69,11 +70,30 @@ def native_part(model: nn.Module, adapter: FamilyAdapter, rope_parameters: dict 
             f"kept: default, {', '.join(NATIVE_SCALINGS)}). Give the default explicitly: "
             "hf_posswap.LayerMix(default=hf_posswap.RopeConfig(...), overrides=...)."
         )
-    scaling = None
-    if rope_type != "default":  # the same scaling, with transformers' own field names
-        known = {field.name for field in dataclasses.fields(SCALING_REGISTRY.get(rope_type))}
-        scaling = SCALING_REGISTRY.get(rope_type).from_options(**{k: v for k, v in rope.items() if k in known})
-    return RopeConfig(rope_theta=rope.get("rope_theta"), scaling=scaling)
+    return RopeConfig(rope_theta=rope.get("rope_theta"), scaling=native_scaling(rope))
+
+
+def native_scaling(rope: dict) -> RopeScaling | None:
+    """The scaling of transformers' ``rope_parameters`` ``rope`` as hf_posswap's (the same fields), or None for
+    ``default`` and for rope types that are not a scaling hf_posswap has (:data:`NATIVE_SCALINGS`)."""
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in NATIVE_SCALINGS:
+        return None
+    known = {field.name for field in dataclasses.fields(SCALING_REGISTRY.get(rope_type))}
+    return SCALING_REGISTRY.get(rope_type).from_options(**{k: v for k, v in rope.items() if k in known})
+
+
+def with_own_scaling(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig) -> SchemeConfig:
+    """``swap(model, "rope")`` keeps the model's own RoPE, scaling included: a plain RoPE config that names no
+    scaling gets the one in the model's ``rope_parameters`` (Llama 3.1's ``llama3``, a YaRN checkpoint's ``yarn``),
+    as ``rope_theta=None`` keeps its base; dropping it would change every logit past the scaled frequencies. Models
+    with one RoPE per layer type (Gemma 3) and RoPE variants (xPos, p-RoPE) are left as they are."""
+    if type(config) is not RopeConfig or config.scaling is not None or adapter.rotary_module_path is None:
+        return config
+    if per_type_rope(model):
+        return config
+    scaling = native_scaling(config_rope_parameters(model.config))
+    return config if scaling is None else dataclasses.replace(config, scaling=scaling)
 
 
 def as_layer_mix(config: SchemeConfig) -> SchemeConfig:

@@ -1,9 +1,9 @@
 """Which attention path each call took, for tests and benchmarks that must know (not guess) what ran.
 
 The carriers choose per call between exact forms of the same attention (the dense bias, a scheme's fused CPU
-form, ``flex_attention`` with a ``score_mod``, Self-Extend's chunked or merged passes); the numbers must agree, so
-a wrong choice shows up as speed or memory, never as a failed comparison. Recording the choice lets a test say
-"bf16 ALiBi on CUDA ran flex" and a benchmark print what it timed::
+form, ``flex_attention`` with a ``score_mod``, Self-Extend's chunked or merged passes, the context-parallel ring);
+the numbers must agree, so a wrong choice shows up as speed or memory, never as a failed comparison. Recording the
+choice lets a test say "bf16 ALiBi on CUDA ran flex" and a benchmark print what it timed::
 
     with record_paths() as paths:
         model(input_ids)
@@ -24,6 +24,8 @@ FUSED_T5 = "fused-t5"  # schemes.fused_t5: far parts + near band, merged by log-
 FLEX = "flex"  # core.flex_bias: flex_attention with the scheme's score_mod and a BlockMask
 SELF_EXTEND_CHUNKED = "self-extend-chunked"  # core.self_extend: query chunks, both logits per chunk
 SELF_EXTEND_MERGED = "self-extend-merged"  # two fused attention calls merged by log-sum-exp
+RING = "ring"  # core.context_parallel: key blocks passed round the ranks, as matmuls
+RING_FUSED = "ring-fused"  # the same through the CPU flash kernel (core.ring_function.fused_applies)
 
 _recorders: list[list[str]] = []
 

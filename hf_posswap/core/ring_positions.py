@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from ..schemes.rope import apply_rotary
-from ..schemes.two_pass import TwoPassSettings
 from .context import PositionContext
 from .ring_math import KeyBlock, QueryBlock
 from .rotary_cache import angles, rotate, scales_keys
@@ -39,7 +38,7 @@ def key_block_positions(context: PositionContext, shard: Any, rank: int, device:
 
 def _uses_padded(context: PositionContext, shard: Any) -> bool:
     """Self-Extend and the query temperature count positions without padding (as the single-process paths do)."""
-    return shard.padded is not None and (context.self_extend is not None or context.kind == "temperature")
+    return shard.padded is not None and (context.two_pass is not None or context.kind == "temperature")
 
 
 def row_end(shard: Any, device: torch.device) -> torch.Tensor:
@@ -61,8 +60,8 @@ def local_blocks(
     index, positions, valid = key_block_positions(context, shard, shard.rank, device)
     far_query = far_key = None
     kind = context.kind
-    if context.self_extend is not None:
-        settings = TwoPassSettings(*context.self_extend)
+    if context.two_pass is not None:
+        settings = context.two_pass
         rotary = context.positions
         shift = settings.window - far_positions(settings.window, settings)
         far_query = _apply(query, rotary(far_positions(positions, settings) + shift))

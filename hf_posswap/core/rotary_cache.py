@@ -59,10 +59,10 @@ class RotatedKeys:
     reference: int = 0
 
 
-def rotates_once(positions: nn.Module | None, self_extend: Any) -> bool:
+def rotates_once(positions: nn.Module | None, two_pass: Any) -> bool:
     """Whether a rotary scheme may store keys rotated: the rotation of a position must not depend on the current
     length, and nothing may need the keys unrotated later (Self-Extend regroups positions past its window)."""
-    return self_extend is None and getattr(positions, "length_dependent", None) is False
+    return two_pass is None and getattr(positions, "length_dependent", None) is False
 
 
 def scales_keys(positions: nn.Module | None) -> bool:
@@ -268,7 +268,7 @@ def cache_layer(module: nn.Module, query: torch.Tensor, key: torch.Tensor, conte
     """The cache layer whose key tensor ``key`` is, when its keys may be stored rotated (else None): a
     length-independent rotation, a layer that is not sliding, slots indexed by position, and a key tensor that the
     layer made itself (:func:`_made_by_cache`)."""
-    if context.cache is None or not rotates_once(context.positions, context.self_extend):
+    if context.cache is None or not rotates_once(context.positions, context.two_pass):
         return None
     layer = cache_layer_at(context.cache, getattr(module, "layer_idx", None))
     if layer is None or layer_keys(layer) is not key or layer_is_sliding(layer):
@@ -373,26 +373,26 @@ def _writable(key: torch.Tensor) -> bool:
     return not (key.is_inference() and not torch.is_inference_mode_enabled())
 
 
-def refuse_foreign_rotation(cache: Any, positions: nn.Module | None, kind: str, self_extend: Any) -> None:
+def refuse_foreign_rotation(cache: Any, positions: nn.Module | None, kind: str, two_pass: Any) -> None:
     """Refuse a cache that holds rotated keys when this model's scheme needs them unrotated (any scheme but a
     length-independent RoPE inside attention; that one checks the rotation itself, layer by layer)."""
-    if cache is None or (kind == "rotary" and rotates_once(positions, self_extend)):
+    if cache is None or (kind == "rotary" and rotates_once(positions, two_pass)):
         return
     for index, layer in enumerate(self_attention_layers(cache)):
         marker = getattr(layer, MARKER, None)
         if marker is not None and min(marker.count, layer_length(layer)) > 0:
             raise InvalidConfigError(
                 f"The KV cache holds keys that a model with RoPE inside attention stored rotated (layer {index}, "
-                f"{min(marker.count, layer_length(layer))} positions), and this model's {_needs(kind, self_extend)} "
+                f"{min(marker.count, layer_length(layer))} positions), and this model's {_needs(kind, two_pass)} "
                 "needs them unrotated. Continue the cache with the model that filled it, or start a new one "
                 f"({CACHE_KWARG}=None)."
             )
 
 
-def _needs(kind: str, self_extend: Any) -> str:
+def _needs(kind: str, two_pass: Any) -> str:
     if kind != "rotary":
         return f"'{kind}' scheme"
-    return "two-pass RoPE (Self-Extend, ReRoPE)" if self_extend is not None else "RoPE that changes with the length"
+    return "two-pass RoPE (Self-Extend, ReRoPE)" if two_pass is not None else "RoPE that changes with the length"
 
 
 def _describe_signature(signature: tuple[float, ...]) -> str:

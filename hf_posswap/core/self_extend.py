@@ -12,7 +12,7 @@ recompute.
 
 ReRoPE is the same two passes with an infinite group: far keys unrotated, far queries at position W, so every key
 past the window sits at distance W; Leaky ReRoPE divides by k without the floor (distance W + (d - W) / k). It acts
-from length W on (:class:`~hf_posswap.schemes.rope_scaling.TwoPassSettings` ``start``), as the reference does.
+from length W on (:class:`~hf_posswap.schemes.two_pass.TwoPassSettings` ``start``), as the reference does.
 
 Two paths, the same numbers (fp32 to 1e-5; :mod:`hf_posswap.core.paths` records which ran). Merged
 (:func:`merged_self_extend`): where the call is causal with index positions and a plain causal mask, no weights
@@ -138,7 +138,7 @@ def merged_self_extend(
 ) -> torch.Tensor:
     """Output [B, q, H, Dv] of two-pass attention with index positions as fused calls merged by log-sum-exp
     (:mod:`hf_posswap.core.two_pass_fused`): neighbour keys with exact rotations, far keys with far ones."""
-    settings = TwoPassSettings(*context.self_extend)  # type: ignore[misc]
+    settings = context.two_pass
     rotary = context.positions
     q_len, kv_len = query.shape[2], key.shape[2]
     query_pos, key_pos = context.query_key_positions(q_len, kv_len, query.device)  # [q], [kv]
@@ -242,7 +242,7 @@ def _prepare(
     dropout: float,
 ) -> _Call:
     """Positions, keys rotated by exact and by grouped positions (once per call), and the call's settings."""
-    settings = TwoPassSettings(*context.self_extend)  # type: ignore[misc]
+    settings = context.two_pass
     rotary = context.positions
     query_pos, key_pos = _positions(context, query.shape[2], key.shape[2], query.device)
     return _Call(

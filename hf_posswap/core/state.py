@@ -56,7 +56,7 @@ def base_model_type(config: Any) -> str | None:
 def posswap_config_class(base: type) -> type:
     """``PosSwap<Base>``: the base config class with model_type ``hf_posswap_<type>``.
 
-    The class is also a module-level name of ``hf_posswap.autoload`` (:func:`_publish`), so configs and whole
+    The class is also a module-level name of ``hf_posswap.core.state`` (:func:`_publish`), so configs and whole
     models pickle (``pickle.dumps(model.config)``, ``torch.save(model)``). Unpickling imports ``hf_posswap``,
     which registers every built-in family's classes first.
     """

@@ -28,11 +28,11 @@ from ..families.base import FamilyAdapter, get_family
 from ..schemes.base import SCHEME_REGISTRY, ModelSpec, NativeWeightsMissingWarning, SchemeConfig
 from ..schemes.mix import LayerMix
 from ..schemes.rope import RopeConfig
-from ..schemes.two_pass import SelfExtend
+from ..schemes.two_pass import SelfExtend, TwoPassSettings
 from ..transformers_internals import attention_implementation
 from .attention import CARRIERS, register_attention_functions
 from .context import POSITIONS_ATTR, PositionForward, PositionHook
-from .mix import as_layer_mix, layer_plan, mix_on_layers, own_theta_per_layer_type
+from .mix import as_layer_mix, layer_plan, mix_on_layers, own_theta_per_layer_type, with_own_scaling
 from .native import check_loaded, install_native_restorers, unwrap_peft
 from .state import (
     CONFIG_RECORD,
@@ -117,6 +117,7 @@ def swap(
         with warnings.catch_warnings():  # a re-created native table is flagged again below, when it matters
             warnings.simplefilter("ignore", NativeWeightsMissingWarning)
             unswap(model)
+    config = with_own_scaling(model, adapter, config)  # read after unswapping: the model's own rope_parameters
     try:
         state = _install(model, adapter, config)
     except BaseException:
@@ -173,25 +174,27 @@ def _install(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig) -> 
 
 def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: ModelSpec) -> tuple[list[Edit], bool]:
     """The edits that install ``config`` in ``model``, and whether the result is native transformers."""
-    # "native" tells a plain reload whether it lost anything (core/native.py record_is_native)
-    record = {"version": RECORD_VERSION, "family": adapter.name, **config.to_dict(), "native": False}
-    record_edit = SetAttribute(
-        model.config, CONFIG_RECORD, lambda: dict(record), where=f"config.{CONFIG_RECORD} = {record}"
-    )
     if isinstance(config, RopeConfig):
         native_edits = adapter.native_rope_edits(model, config)
         if native_edits is not None:  # the record says so: a plain reload then knows it lost nothing
-            native_record = {**record, "native": True}
-            native_record_edit = SetAttribute(
-                model.config,
-                CONFIG_RECORD,
-                lambda: dict(native_record),
-                where=f"config.{CONFIG_RECORD} = {native_record}",
-            )
-            return [*native_edits, native_record_edit], True
-
+            return [*native_edits, _record_edit(model, adapter, config, native=True)], True
     if isinstance(config, LayerMix):
-        return [*_mix_edits(model, adapter, config, spec), record_edit, _config_class_edit(model.config)], False
+        edits = _mix_edits(model, adapter, config, spec)
+    else:
+        edits = _scheme_edits(model, adapter, config, spec)
+    return [*edits, _record_edit(model, adapter, config, native=False), _config_class_edit(model.config)], False
+
+
+def _record_edit(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, native: bool) -> Edit:
+    """``config.posswap``: the swap as saved with the checkpoint. ``native`` tells a plain reload whether it lost
+    anything (:func:`~hf_posswap.core.native.record_is_native`)."""
+    record = {"version": RECORD_VERSION, "family": adapter.name, **config.to_dict(), "native": native}
+    return SetAttribute(model.config, CONFIG_RECORD, lambda: dict(record), where=f"config.{CONFIG_RECORD} = {record}")
+
+
+def _scheme_edits(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: ModelSpec) -> list[Edit]:
+    """One scheme on every layer: its module in the family's table slot (absolute schemes) or on the base model,
+    the family's own positions silenced, the carriers selected for in-attention schemes, the forward wrapped."""
     base = adapter.base_model(model)
     in_attention = config.kind in ("rotary", "bias")
     if in_attention:
@@ -220,26 +223,17 @@ def _plan(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig, spec: 
         combine=combine,
         feeds_attention=in_attention,
         layer_shared=config.layer_shared,
-        self_extend=_self_extend_settings(config),
+        two_pass=_two_pass_settings(config),
         carriers=CARRIERS,
     )
-    edits.append(
-        WrapForward(
-            base,
-            lambda previous: PositionForward(base, hook, previous),
-            where=f"{type(base).__name__}.forward wrapped (position context for every call path)",
-        )
-    )
-    edits.append(record_edit)
-    edits.append(_config_class_edit(model.config))
-    return edits, False
+    return [*edits, _wrap_forward_edit(base, hook)]
 
 
 def _mix_edits(model: nn.Module, adapter: FamilyAdapter, config: LayerMix, spec: ModelSpec) -> list[Edit]:
     """A layer mix: the family's positions removed, the mix's modules installed, every layer through the carriers
     with a per-layer plan (see :mod:`hf_posswap.core.mix`)."""
     _check_attention(model, config)
-    plan = layer_plan(config, spec, _self_extend_settings)
+    plan = layer_plan(config, spec, _two_pass_settings)
     module = config.build(spec).to(device=spec.device)
     base = adapter.base_model(model)
     where = f"{POSITIONS_ATTR} <- {_short(module)} (layers per scheme: see 'layers' above)"
@@ -249,22 +243,27 @@ def _mix_edits(model: nn.Module, adapter: FamilyAdapter, config: LayerMix, spec:
         *adapter.removal_edits(model, spec),
         SetAttribute(base, POSITIONS_ATTR, lambda: module, where=where),
         SetAttentionImplementation(model, CARRIERS[attention_implementation(model.config)]),
-        WrapForward(
-            base,
-            lambda previous: PositionForward(base, hook, previous),
-            where=f"{type(base).__name__}.forward wrapped (position context for every call path)",
-        ),
+        _wrap_forward_edit(base, hook),
     ]
 
 
+def _wrap_forward_edit(base: nn.Module, hook: PositionHook) -> Edit:
+    """The base model's ``forward`` wrapped on the instance, so every call path builds the position context."""
+    return WrapForward(
+        base,
+        lambda previous: PositionForward(base, hook, previous),
+        where=f"{type(base).__name__}.forward wrapped (position context for every call path)",
+    )
+
+
 def _config_class_edit(config: Any) -> Edit:
-    """Non-native swaps save as model_type ``hf_posswap_<type>`` (see ``hf_posswap.autoload``)."""
+    """Non-native swaps save as model_type ``hf_posswap_<type>`` (see ``hf_posswap.persistence.autoload``)."""
     base_class = getattr(type(config), "posswap_base_config_class", type(config))
     return SetConfigClass(config, posswap_config_class(base_class), base_class)
 
 
-def _self_extend_settings(config: SchemeConfig) -> tuple | None:
-    """Two-pass attention settings (``TwoPassSettings``) of Self-Extend and ReRoPE (a SelfExtend subclass)."""
+def _two_pass_settings(config: SchemeConfig) -> TwoPassSettings | None:
+    """Two-pass attention settings of Self-Extend and ReRoPE (a SelfExtend subclass), or None for other schemes."""
     scaling = getattr(config, "scaling", None)
     return scaling.attention_settings() if isinstance(scaling, SelfExtend) else None
 

@@ -183,9 +183,12 @@ def get_family(model: nn.Module) -> FamilyAdapter:
     config = getattr(model, "config", None)
     model_type = getattr(config, "posswap_base_model_type", None) or getattr(config, "model_type", None)
     if model_type is None:
+        inner = getattr(model, "module", None)  # DataParallel, DistributedDataParallel, accelerate's wrappers
+        wrapped = (f" It wraps a {type(inner).__name__} in .module: pass that (swap(model.module, ...)), or swap "
+                   "before wrapping." if getattr(getattr(inner, "config", None), "model_type", None) else "")
         raise UnsupportedFamilyError(
             f"{type(model).__name__} has no `config.model_type`; hf_posswap works on Hugging Face transformers "
-            f"models. Supported families: {', '.join(FAMILY_REGISTRY.names())}."
+            f"models. Supported families: {', '.join(FAMILY_REGISTRY.names())}.{wrapped}"
         )
     if model_type not in FAMILY_REGISTRY:
         raise UnsupportedFamilyError(
@@ -251,6 +254,6 @@ def parameter_dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device
     return torch.get_default_dtype(), torch.device("cpu")
 
 
-def default_position_ids(batch_size: int, length: int, query_offset: int, device: torch.device) -> torch.Tensor:
+def default_position_ids(length: int, query_offset: int, device: torch.device) -> torch.Tensor:
     """[1, L] positions ``offset .. offset+L-1`` (what the models use when no position ids are passed)."""
     return (torch.arange(length, device=device) + query_offset).unsqueeze(0)

@@ -35,7 +35,7 @@ class BertAdapter(FamilyAdapter):
             return
         batch_size, length = reference.shape[0], reference.shape[1]
         if kwargs.get("position_ids") is None:
-            kwargs["position_ids"] = default_position_ids(batch_size, length, query_offset, reference.device)
+            kwargs["position_ids"] = default_position_ids(length, query_offset, reference.device)
         if kwargs.get("token_type_ids") is None:
             kwargs["token_type_ids"] = torch.zeros(batch_size, length, dtype=torch.long, device=reference.device)
 

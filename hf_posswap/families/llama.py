@@ -1,4 +1,4 @@
-"""LLaMA and decoders with LLaMA's layout (Mistral, Qwen2, Qwen3): no absolute table; one rotary module at
+"""LLaMA and decoders with LLaMA's layout (Mistral, Qwen2, Qwen3, OLMo 2): no absolute table; one rotary module at
 ``model.rotary_emb`` whose (cos, sin) every layer applies to q and k before the KV-cache update.
 
 RoPE swaps are written into ``config.rope_parameters`` and the model's own rotary class is rebuilt from it, which

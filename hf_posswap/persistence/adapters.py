@@ -64,7 +64,10 @@ def save_adapter(peft_model: nn.Module, directory: str | os.PathLike[str],
     """``peft_model.save_pretrained`` plus the swap record the adapter was trained with. ``state_dict``: the whole
     model's state gathered beforehand (the parameters of a model sharded by FSDP or DeepSpeed ZeRO-3 hold only this
     process's shards)."""
+    from .saving import check_finite_weights
+
     directory = Path(directory)
+    check_finite_weights(peft_model if state_dict is None else state_dict, "the adapter's model")
     with quiet_peft():
         peft_model.save_pretrained(directory, **({} if state_dict is None else {"state_dict": state_dict}))
     state = swap_state(_unwrap(peft_model))

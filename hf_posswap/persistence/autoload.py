@@ -108,7 +108,7 @@ def _build_at_original_length(config: Any, record: Any) -> None:
 
 
 def _publish_model_class(cls: type) -> type:
-    """Make ``cls`` reachable as ``hf_posswap.autoload.<name>`` (what pickle looks up)."""
+    """Make ``cls`` reachable as ``hf_posswap.persistence.autoload.<name>`` (what pickle looks up)."""
     globals().setdefault(cls.__name__, cls)  # a clash of names (never among the built-in families) stays unpicklable
     return cls
 

@@ -58,14 +58,21 @@ def export_standalone(
     Written atomically into a staging directory beside ``directory``. A non-empty ``directory`` is refused unless
     ``overwrite``; then only the checkpoint's own files (config, weights, remote code, tokenizer) are replaced and
     every other file stays. ``tokenizer`` (optional) is saved with the model."""
+    if callable(getattr(model, "get_base_model", None)) or getattr(model, "peft_config", None):
+        raise InvalidConfigError(
+            f"{type(model).__name__} holds peft adapters, which the exported code would not carry: merge them first "
+            "(model = model.merge_and_unload()) and export the merged model, or save the adapter alone with "
+            "hf_posswap.save_adapter."
+        )
     state = swap_state(model)
     if state is None:
         raise InvalidConfigError(
             f"{type(model).__name__} carries no hf_posswap swap; save it with model.save_pretrained() instead."
         )
-    from .saving import check_output_dir, staged_directory
+    from .saving import check_finite_weights, check_output_dir, staged_directory
 
     check_output_dir(directory, overwrite, flag="directory")
+    check_finite_weights(model)
     with staged_directory(directory, overwrite) as staging:
         model.save_pretrained(staging)
         if tokenizer is not None:

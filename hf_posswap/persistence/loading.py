@@ -1,8 +1,8 @@
 """Checked loading of a user-given model path, for every CLI command.
 
 ``inspect_model_path(path)`` reads only small files (``config.json``, ``adapter_config.json``, the
-``posswap_adapter.json`` record, safetensors headers; see :mod:`hf_posswap.user_files`) and refuses a missing,
-corrupt or truncated checkpoint with one message naming the file and the fix, before any weights load.
+``posswap_adapter.json`` record, safetensors headers; see :mod:`hf_posswap.persistence.user_files`) and refuses a
+missing, corrupt or truncated checkpoint with one message naming the file and the fix, before any weights load.
 ``load_model(source)`` then loads it:
 
 - a checkpoint directory (plain or hf_posswap) through the Auto class of its saved architecture;
@@ -119,6 +119,10 @@ def _check_model_type(config: dict[str, Any], path: Path) -> None:
         )
 
 
+#: the ``dtype`` values of config.json a model can be built in
+LOADABLE_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
 def _check_config_values(config: dict[str, Any], path: Path) -> None:
     """Build the config class from ``config`` (no weights): a value of the wrong type or an inconsistent pair
     (``"hidden_size": "big"``) is refused here, naming the file, instead of as a traceback while loading."""
@@ -126,10 +130,16 @@ def _check_config_values(config: dict[str, Any], path: Path) -> None:
 
     from ..transformers_internals import config_mapping
 
+    for key in ("dtype", "torch_dtype"):  # transformers builds the model in this dtype before reading a weight
+        if config.get(key) not in (None, "auto", *LOADABLE_DTYPES):
+            raise CheckpointError(
+                f"{str(path)!r} holds \"{key}\": {config[key]!r}, which is not a dtype a model is built in "
+                f"({', '.join(LOADABLE_DTYPES)}). Set it to the dtype the weights were saved in."
+            )
     config_class = config_mapping()[str(config["model_type"]).removeprefix("hf_posswap_")]
     try:
         config_class.from_dict({key: value for key, value in config.items() if key != "model_type"})
-    except (StrictDataclassError, ValueError, TypeError, KeyError) as error:
+    except (StrictDataclassError, ValueError, TypeError, KeyError, AttributeError) as error:
         message = " ".join(str(error).split())
         raise CheckpointError(f"{str(path)!r} holds an invalid value: {message}. Restore config.json.") from error
 
@@ -231,7 +241,8 @@ def load_model(source: ModelSource, task: str = "saved", merge: bool = False) ->
     register()  # the hf-posswap command registers only now (its --help must not need torch)
     auto = _auto_class(source, task)
     try:
-        model = auto.from_pretrained(source.path)
+        model, report = auto.from_pretrained(source.path, output_loading_info=True)
+        _refuse_dropped_weights(report.get("unexpected_keys") or [], source)
         check_loaded(model)  # a swap record loaded as the plain family: its position weights were dropped
         return model
     except PosSwapError:
@@ -242,6 +253,18 @@ def load_model(source: ModelSource, task: str = "saved", merge: bool = False) ->
             message = ("its weights do not match its config.json (see the report above); restore the config.json "
                        "the weights were saved with")
         raise CheckpointError(f"Could not load the model in {source.path!r}: {message}") from error
+
+
+def _refuse_dropped_weights(unexpected: list[str], source: ModelSource) -> None:
+    """Weights in the files that the loaded class has no place for were dropped: the model would run (and be saved)
+    without them, e.g. a causal LM's head loaded as the bare model."""
+    if unexpected:
+        shown = ", ".join(sorted(unexpected)[:3]) + (f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else "")
+        raise CheckpointError(
+            f"{source.path!r}: {len(unexpected)} saved weights have no place in {source.config.get('model_type')} "
+            f"as loaded ({shown}), so they would be dropped. Check that config.json's 'architectures' names the "
+            "class the weights were saved from."
+        )
 
 
 def _adapter_task(source: ModelSource, task: str) -> str:
@@ -266,15 +289,20 @@ def _auto_class(source: ModelSource, task: str) -> type:
             continue
         if model_class.__name__.removeprefix("PosSwap") == architecture:
             return auto
-    if architecture:  # loading it as another class would silently drop its head's weights
-        classes = (auto._model_mapping.get(config_class, None) for auto in AUTO_CLASSES)
-        known = sorted({model_class.__name__ for model_class in classes if model_class is not None})
+    # loading it as another class (AutoModel's bare model, say) would silently drop its head's weights
+    classes = (auto._model_mapping.get(config_class, None) for auto in AUTO_CLASSES)
+    known = ", ".join(sorted({model_class.__name__ for model_class in classes if model_class is not None}))
+    if not architecture:
         raise CheckpointError(
-            f"{source.path!r}: config.json names the architecture {architecture!r}; hf-posswap loads "
-            f"{source.config['model_type']} checkpoints as {', '.join(known)}, and loading it as another class would "
-            "drop weights. Restore 'architectures' in config.json (or set it to one of those)."
+            f"{source.path!r}: config.json names no architecture ('architectures' is missing or empty), so which "
+            f"weights it holds is unknown. Set \"architectures\" to the class the weights were saved from, one of: "
+            f"{known}."
         )
-    return AUTO_CLASSES[0]
+    raise CheckpointError(
+        f"{source.path!r}: config.json names the architecture {architecture!r}; hf-posswap loads "
+        f"{source.config['model_type']} checkpoints as {known}, and loading it as another class would "
+        "drop weights. Restore 'architectures' in config.json (or set it to one of those)."
+    )
 
 
 def _attach_adapter(base: nn.Module, source: ModelSource) -> nn.Module:

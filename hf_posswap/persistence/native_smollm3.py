@@ -66,10 +66,11 @@ def save_native(
     Written atomically (a staging directory moved into place). A non-empty ``directory`` is refused unless
     ``overwrite``; then only checkpoint files are replaced. ``tokenizer`` (optional) is saved with the model.
     """
-    from .saving import check_output_dir, staged_directory
+    from .saving import check_finite_weights, check_output_dir, staged_directory
 
     model = _plain_model(model)
     check_output_dir(directory, overwrite, flag="directory")
+    check_finite_weights(model)
     native = not getattr(type(model.config), "posswap_base_model_type", None)
     converted = model if native else to_smollm3(model)
     with staged_directory(directory, overwrite) as staging:

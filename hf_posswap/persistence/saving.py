@@ -1,8 +1,9 @@
 """Writes that never lose what was there: a checkpoint is written into a staging directory beside its target and
 moved into place only once complete; a failure (a full disk, a crash) leaves the old contents untouched.
 
-Files that are not part of a checkpoint (a user's notes, data) are never deleted. A non-empty target is refused
-unless the caller asks to overwrite, and then only checkpoint files are replaced.
+A non-empty target is refused unless the caller asks to overwrite; then each file the save wrote replaces its
+namesake, weight files and indexes the new checkpoint does not have are removed (:data:`WEIGHT_PATTERNS`: an old
+shard or index beside new weights would mislead loading), and every other file (a user's notes, data) stays.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ..errors import PosSwapError
 
@@ -22,12 +24,6 @@ WEIGHT_PATTERNS = (
     "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
     "pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json",
     "adapter_model.safetensors", "adapter_model.bin",
-)
-#: every file name a checkpoint written by hf_posswap may consist of (the only names an overwrite replaces)
-CHECKPOINT_PATTERNS = WEIGHT_PATTERNS + (
-    "config.json", "generation_config.json", "modeling_posswap.py", "adapter_config.json", "posswap_adapter.json",
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.txt",
-    "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja", "chat_template.json",
 )
 
 
@@ -43,9 +39,25 @@ class OutputError(PosSwapError, ValueError):
     """An output path that cannot be written as asked (a file where a directory goes, a missing parent, ...)."""
 
 
-def is_checkpoint_file(name: str) -> bool:
-    """Whether ``name`` is one of the files a checkpoint consists of."""
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in CHECKPOINT_PATTERNS)
+class NonFiniteWeightsError(PosSwapError, ValueError):
+    """A model holding NaN or inf in its weights was asked to be saved."""
+
+
+def check_finite_weights(model: Any, what: str = "the model") -> None:
+    """Refuse to save ``model`` (a module, or a state dict) when a floating-point weight or buffer holds NaN or inf:
+    the checkpoint would load without a complaint and compute NaN. Called before anything is written; the message
+    names the first tensors that hold one. Tensors without data (meta) are skipped."""
+    tensors = model.items() if isinstance(model, dict) else model.state_dict().items()
+    bad = [name for name, tensor in tensors
+           if getattr(tensor, "is_floating_point", lambda: False)() and not tensor.is_meta
+           and not bool(tensor.isfinite().all())]
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise NonFiniteWeightsError(
+            f"Refusing to save {what}: {len(bad)} of its tensors hold NaN or inf ({shown}); a checkpoint written "
+            "from them would load and compute NaN. Nothing was written: load or train the model again from finite "
+            "weights."
+        )
 
 
 def check_output_dir(

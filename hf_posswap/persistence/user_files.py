@@ -70,7 +70,23 @@ def check_safetensors(path: Path) -> list[str]:
             f"{str(path)!r} is truncated or corrupt: its header needs {expected} bytes, the file has {size}. "
             "Re-save or re-download the model."
         )
+    _check_header_entries(path)
     return [key for key in header if key != "__metadata__"]
+
+
+def _check_header_entries(path: Path) -> None:
+    """Each tensor's dtype, shape and offsets agree, as the safetensors library checks them when it opens the file
+    (the header only: the file is mapped, no tensor is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except SafetensorError as error:
+        raise UserFileError(
+            f"{str(path)!r} is not a valid safetensors file ({' '.join(str(error).split())}); it is corrupt: re-save "
+            "or re-download the model."
+        ) from error
 
 
 def read_text_files(paths: list[str], flag: str = "--text") -> str:

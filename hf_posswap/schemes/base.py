@@ -19,7 +19,9 @@ from torch import nn
 from ..errors import InvalidConfigError, InvalidOptionError, UnknownSchemeError, closest_hint
 from ..registry import Registry
 
-SchemeKind = Literal["absolute", "rotary", "bias", "none"]
+#: what a scheme computes: vectors added to the embeddings, a rotation of q and k, a logit bias, nothing; or a mix
+#: of those per layer (``mix``: :class:`~hf_posswap.schemes.mix.LayerMix`) or per head (``head_mix``)
+SchemeKind = Literal["absolute", "rotary", "bias", "none", "mix", "head_mix"]
 #: a bias as one elementwise function for ``flex_attention``'s ``score_mod``: (query head h, query position, key
 #: position, lane) -> the logit bias, float32 (see :meth:`BiasPositions.flex_bias`). Arguments are scalar int tensors
 #: inside the kernel, or any broadcasting int tensors outside it; the function combines tensors it captured with
@@ -59,7 +61,7 @@ class SchemeConfig:
     """Base class of every scheme's config.
 
     Subclasses are dataclasses that validate in ``__post_init__`` and serialize to plain JSON with
-    :meth:`to_dict`. They set ``name`` (the registry key) and ``kind`` (one of absolute, rotary, bias, none).
+    :meth:`to_dict`. They set ``name`` (the registry key) and ``kind`` (a :data:`SchemeKind`).
     """
 
     name: ClassVar[str] = ""

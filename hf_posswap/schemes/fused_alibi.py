@@ -200,7 +200,7 @@ def _separable(
         query, key, value, attn_mask=mask, dropout_p=call.dropout, is_causal=is_causal, scale=call.scaling,
         enable_gqa=grouped,
     )
-    return output[..., :head_dim].transpose(1, 2).contiguous()  # [B, H, q, D+1] -> [B, q, H, D]
+    return output[..., :head_dim].transpose(1, 2).contiguous()  # [B, H, q, D + c] -> [B, q, H, D]
 
 
 def position_columns(

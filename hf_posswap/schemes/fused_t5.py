@@ -145,18 +145,23 @@ def _far_before(q_len: int, kv_len: int, shift: int, bucket: int) -> list[FarPar
 
 
 def _to_blocks(x: torch.Tensor, band: Band, kv_heads: int) -> torch.Tensor:
+    """Queries [B, H, q, D] -> blocks [B, Hkv, n, G*Bq, D]: n blocks of Bq queries, the G query heads that share a
+    key-value head stacked in each block (q padded with zeros to n*Bq)."""
     batch, heads, length, dim = x.shape
     padded = band.blocks * band.block
     if padded != length:
-        x = torch.nn.functional.pad(x, (0, 0, 0, padded - length))
-    x = x.view(batch, kv_heads, heads // kv_heads, band.blocks, band.block, dim).transpose(2, 3)
-    return x.reshape(batch, kv_heads, band.blocks, -1, dim)
+        x = torch.nn.functional.pad(x, (0, 0, 0, padded - length))  # [B, H, n*Bq, D]
+    x = x.view(batch, kv_heads, heads // kv_heads, band.blocks, band.block, dim)  # [B, Hkv, G, n, Bq, D]
+    x = x.transpose(2, 3)  # [B, Hkv, n, G, Bq, D]
+    return x.reshape(batch, kv_heads, band.blocks, -1, dim)  # [B, Hkv, n, G*Bq, D]
 
 
 def _from_blocks(x: torch.Tensor, band: Band, heads: int, length: int) -> torch.Tensor:
+    """Inverse of :func:`_to_blocks`: blocks [B, Hkv, n, G*Bq, D] -> [B, H, q, D] (the padding rows dropped)."""
     batch, kv_heads, blocks, _, dim = x.shape
-    x = x.view(batch, kv_heads, blocks, heads // kv_heads, band.block, dim).transpose(2, 3)
-    return x.reshape(batch, heads, blocks * band.block, dim)[:, :, :length]
+    x = x.view(batch, kv_heads, blocks, heads // kv_heads, band.block, dim)  # [B, Hkv, n, G, Bq, D]
+    x = x.transpose(2, 3)  # [B, Hkv, G, n, Bq, D]
+    return x.reshape(batch, heads, blocks * band.block, dim)[:, :, :length]  # [B, H, n*Bq, D] -> [B, H, q, D]
 
 
 def _windows(x: torch.Tensor, band: Band) -> torch.Tensor:
@@ -193,9 +198,10 @@ def _band_logits(
 ) -> torch.Tensor:
     """Scaled band logits [B, Hkv, n, G*Bq, W] with the bias [H, Bq, W] added and keys outside [0, kv) masked;
     ``qb``/``kw`` may hold blocks ``first_block ..`` only (a chunk of the band)."""
-    scores = torch.matmul(qb * scale, kw.transpose(-1, -2))
+    scores = torch.matmul(qb * scale, kw.transpose(-1, -2))  # [B, Hkv, n, G*Bq, D] @ [B, Hkv, n, D, W]
     batch, kv_heads, blocks, rows, width = scores.shape
     heads = bias.shape[0]
+    # scores as [B, Hkv, n, G, Bq, W] + bias [H, Bq, W] as [Hkv, 1, G, Bq, W] (the same bias in every block)
     scores.view(batch, kv_heads, blocks, heads // kv_heads, band.block, width).add_(
         bias.view(kv_heads, 1, heads // kv_heads, band.block, width)
     )

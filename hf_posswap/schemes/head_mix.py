@@ -105,7 +105,7 @@ class HeadMix(SchemeConfig):
     """
 
     name = "head_mix"
-    kind = "head_mix"  # type: ignore[assignment]
+    kind = "head_mix"
     paper = "Press et al. 2022 (ALiBi) and Su et al. 2021 (RoPE) per head, as x-transformers' alibi_num_heads"
 
     bias: Any = "alibi"

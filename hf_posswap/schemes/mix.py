@@ -138,7 +138,7 @@ class LayerMix(SchemeConfig):
     """
 
     name = "layer_mix"
-    kind = "mix"  # type: ignore[assignment]
+    kind = "mix"
     paper = "SmolLM3 (Hugging Face 2025) no_rope_layers; Llama 4 iRoPE (Meta 2025); Cohere Command A (2025)"
 
     default: Any = "rope"

@@ -159,7 +159,9 @@ class RopeConfig(SchemeConfig):
         rope_theta: the frequency base. ``None`` keeps the model's own base when it has RoPE, else 10000.
         partial_rotary_factor: fraction of each head's dims that are rotated (the rest carry no position).
         scaling: a :class:`~hf_posswap.schemes.rope_scaling.RopeScaling` (``YarnScaling(factor=4.0)``, ...) or
-            ``None``. Its ``original_max_position_embeddings`` defaults to the model's trained length.
+            ``None``. Its ``original_max_position_embeddings`` defaults to the model's trained length. ``None`` on
+            a LLaMA-like model whose ``rope_parameters`` carry a scaling (``llama3``, ``yarn``, ...) keeps that
+            scaling, as ``rope_theta=None`` keeps the base.
     """
 
     name = "rope"

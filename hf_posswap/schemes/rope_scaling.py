@@ -17,9 +17,8 @@ from ..errors import InvalidConfigError, InvalidOptionError, UnknownSchemeError,
 from ..registry import Registry
 from .base import require_int_at_least, require_positive
 
-SCALING_REGISTRY: Registry[type[RopeScaling]] = Registry(
-    "RoPE scaling method", UnknownSchemeError, "See hf_posswap.available_scalings()."
-)
+#: an unknown name's error lists the known ones: that list is the fix
+SCALING_REGISTRY: Registry[type[RopeScaling]] = Registry("RoPE scaling method", UnknownSchemeError)
 
 
 @dataclass
@@ -117,8 +116,12 @@ class NTKScaling(RopeScaling):
 
 
 def ntk_theta(rope_theta: float, factor: float, rotary_dim: int) -> float:
-    """base * s^(d/(d-2)): the NTK-aware base for a scale ``s`` and rotated dimension ``d``."""
-    return float(rope_theta * factor ** (rotary_dim / (rotary_dim - 2)))
+    """base * s^(d/(d-2)): the NTK-aware base for a scale ``s`` and rotated dimension ``d`` (bloc97 2023; Peng et al.
+    2023, YaRN §3.1); ``inf`` when it overflows (the caller refuses a base that large)."""
+    try:
+        return float(rope_theta * factor ** (rotary_dim / (rotary_dim - 2)))
+    except OverflowError:
+        return math.inf
 
 
 @register_scaling

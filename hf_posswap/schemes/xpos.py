@@ -122,9 +122,15 @@ class XposEmbedding(RotaryPositions):
 
 def xpos_max_span(head_dim: int, scale_base: float, dtype: torch.dtype = torch.float32) -> int:
     """Positions from the reference whose factor zeta_0^(±span / gamma) stays within 2^±bits for ``dtype``."""
-    smallest = float(xpos_zeta(head_dim)[0])
+    return int(_span_per_scale_base(head_dim, dtype) * scale_base)
+
+
+def _span_per_scale_base(head_dim: int, dtype: torch.dtype) -> float:
+    """The span :func:`xpos_max_span` gives per unit of gamma (the span is proportional to it)."""
+    with torch.device("cpu"):  # a model built on the meta device (from_pretrained) has no values to read
+        smallest = float(xpos_zeta(head_dim)[0])
     bits = MAX_EXPONENT_BITS.get(dtype, DEFAULT_EXPONENT_BITS)
-    return int(bits * math.log(2) / -math.log(smallest) * scale_base)
+    return bits * math.log(2) / -math.log(smallest)
 
 
 @register_scheme
@@ -162,6 +168,14 @@ class XposConfig(SchemeConfig):
             )
         if spec.head_dim % 2:
             raise InvalidConfigError(f"xPos rotates pairs of dims; this model's head_dim {spec.head_dim} is odd.")
+        if xpos_max_span(spec.head_dim, self.scale_base, spec.dtype) < 1:  # every forward pass would be refused
+            length = spec.max_positions or 1
+            needed = math.ceil(length / _span_per_scale_base(spec.head_dim, spec.dtype))
+            raise InvalidConfigError(
+                f"XposConfig.scale_base={self.scale_base!r} makes the factor zeta^(distance / scale_base) leave "
+                f"{spec.dtype}'s range within one token, so no input could run. Use scale_base >= {needed} (inputs "
+                f"of {length} tokens), or the paper's 512."
+            )
         theta = self.rope_theta
         if theta is None:
             theta = spec.native_rope_theta if spec.native_rope_theta is not None else DEFAULT_ROPE_THETA

@@ -180,9 +180,6 @@ class FinetuneConfig:
                 interval = f"{'[' if low_ok else '('}{low:g}, {high:g}{']' if high_ok else ')'}"
                 raise InvalidConfigError(f"{name} must be a finite number in {interval}, got {value!r}; use {advice}.")
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
-
 
 #: settings that may differ when a run is resumed: how long to train and how often to measure and save.
 #: Changing ``steps`` recomputes a decaying learning-rate schedule for the new total from the resumed step on.

@@ -38,9 +38,9 @@ class TrainingDivergedError(PosSwapError, RuntimeError):
 
 
 def check_model_path(model: str) -> None:
-    """``model`` is a complete checkpoint (``hf_posswap.loading.inspect_model_path`` reads its small files: a
-    missing path, a corrupt config or a truncated safetensors file is one line naming it); an adapter directory is
-    refused, since training starts from full weights."""
+    """``model`` is a complete checkpoint (``hf_posswap.persistence.loading.inspect_model_path`` reads its small
+    files: a missing path, a corrupt config or a truncated safetensors file is one line naming it); an adapter
+    directory is refused, since training starts from full weights."""
     from ..persistence.loading import inspect_model_path
 
     if inspect_model_path(model).kind == "adapter":

@@ -3,6 +3,7 @@ non-zero exit and no traceback, before expensive work; adapters are evaluated as
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import hf_posswap.persistence.loading
 from hf_posswap.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
+CLI_MODULE = importlib.import_module("hf_posswap.cli.main")  # the attribute of that name is the main function
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,12 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
                          ("no_weights", lambda d: (d / "model.safetensors").unlink()),
                          ("pickle_junk", _junk_bin),
                          ("other_config", _other_config),
-                         ("lost_shard", _lose_shard)):
+                         ("lost_shard", _lose_shard),
+                         ("header_shape", lambda d: _edit_header(d, "shape")),
+                         ("header_dtype", lambda d: _edit_header(d, "dtype")),
+                         ("config_dtype_junk", lambda d: _edit_config(d, dtype="banana")),
+                         ("config_dtype_float8", lambda d: _edit_config(d, dtype="float8_e4m3fn")),
+                         ("zero_length", lambda d: _edit_config(d, max_position_embeddings=0))):
         shutil.copytree(root / "llama", root / name)
         change(root / name)
     for name, change in (("bad_record", lambda d: (d / "posswap_adapter.json").write_text("{oops")),
@@ -60,6 +67,28 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "strings.json").write_text(json.dumps({"perplexity": [{"length": "x", "mode": "windows",
                                                                    "perplexity": "abc"}], "passkey": []}))
     return root
+
+
+def _edit_config(directory: Path, **changes) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def _edit_header(directory: Path, field: str) -> None:
+    """A safetensors header of the same length (so the file size still adds up) whose first tensor has one more
+    row than its bytes hold (``shape``) or a dtype safetensors does not know (``dtype``)."""
+    weights = directory / "model.safetensors"
+    raw = weights.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    entry = header[next(name for name in header if name != "__metadata__")]
+    if field == "shape":
+        entry["shape"] = [entry["shape"][0] + 1, *entry["shape"][1:]]
+    else:
+        entry["dtype"] = "Q9"
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= length
+    weights.write_bytes(raw[:8] + text.ljust(length) + raw[8 + length :])
 
 
 def _junk_bin(directory: Path) -> None:
@@ -101,6 +130,14 @@ BEFORE_LOADING = [
     ("eval-no-weights", E + ["{ws}/no_weights"], "'{ws}/no_weights' holds no weights"),
     ("eval-missing-shard", E + ["{ws}/lost_shard"], "names missing weight files ['model-00002-of-00002.safetensors']"),
     ("eval-junk-pytorch-bin", E + ["{ws}/pickle_junk"], "pytorch_model.bin' is not a PyTorch weights file"),
+    ("swap-header-shape-past-its-bytes", ["swap", "--model", "{ws}/header_shape", "--scheme", "t5", "--output",
+                                          "{ws}/o"], "header_shape/model.safetensors' is not a valid safetensors"),
+    ("swap-header-unknown-dtype", ["swap", "--model", "{ws}/header_dtype", "--scheme", "t5", "--output", "{ws}/o"],
+     "header_dtype/model.safetensors' is not a valid safetensors"),
+    ("swap-config-dtype-junk", ["swap", "--model", "{ws}/config_dtype_junk", "--scheme", "t5", "--output", "{ws}/o"],
+     "holds \"dtype\": 'banana', which is not a dtype"),
+    ("swap-config-dtype-float8", ["swap", "--model", "{ws}/config_dtype_float8", "--scheme", "t5", "--output",
+                                  "{ws}/o"], "holds \"dtype\": 'float8_e4m3fn', which is not a dtype"),
     ("eval-name-too-long", E + ["{ws}/" + "x" * 300], "File name too long"),
     ("eval-text-endless-device", E + ["{ws}/llama", "--text", "/dev/zero"], "'/dev/zero' is not a regular file"),
     ("eval-output-over-a-checkpoint-file", E + ["{ws}/llama", "--output", "{ws}/llama/config.json"],
@@ -204,6 +241,11 @@ AFTER_LOADING = [  # refused once the model is known, still before any forward p
     ("inspect-length-past-learned-table", ["inspect", "--model", "{ws}/gpt2", "--length", "100", "--output",
                                            "{ws}/pictures"], "Length 100 exceeds"),
     ("extend-shorter", ["extend", "--model", "{ws}/llama", "--to", "16", "--output", "{ws}/short"], "16"),
+    ("extend-trained-length-0", ["extend", "--model", "{ws}/zero_length", "--to", "128", "--output", "{ws}/short"],
+     "trained length is 0"),
+    ("swap-ntk-base-overflows", ["swap", "--model", "{ws}/llama", "--scheme", "rope", "--option",
+                                 'scaling={"method": "ntk", "factor": 1e300}', "--output", "{ws}/short"],
+     "rope_theta must be above 1 and at most 3.4e+38, got inf"),
     ("eval-config-not-matching-weights", E + ["{ws}/other_config"],
      "'{ws}/other_config': its weights do not match its config.json"),
 ]
@@ -217,6 +259,33 @@ def test_bad_input_after_loading_is_one_line(ws, capsys, argv, needle) -> None:
     messages = [line for line in err.splitlines() if line.startswith("hf-posswap")]  # past loading progress bars
     assert len(messages) == 1 and needle.replace("{ws}", str(ws)) in messages[0], err
     assert not (ws / "short").exists() and not (ws / "pictures").exists()
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to "
+                 "allocate 4000000000000 bytes."),
+    MemoryError(),
+], ids=["torch-cpu-allocator", "python"])
+def test_running_out_of_memory_is_one_line(ws, capsys, monkeypatch, error) -> None:
+    """A failed allocation (an option value that asks for terabytes: FIRE's mlp_width=10**12) is the user's to fix,
+    not a traceback; other RuntimeErrors are bugs and keep theirs."""
+    def allocate(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(CLI_MODULE, "_load", allocate)
+    code, out, err = _run(["swap", "--model", "{ws}/llama", "--scheme", "fire", "--output", "{ws}/oom"], ws, capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("hf-posswap swap: ran out of memory"), err
+    assert "Nothing was written" in lines[0] and not (ws / "oom").exists()
+
+
+def test_other_runtime_errors_keep_their_traceback(ws, monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(CLI_MODULE, "_load", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["swap", "--model", str(ws / "llama"), "--scheme", "fire", "--output", str(ws / "oom")])
 
 
 @pytest.mark.slow  # two interpreter start-ups (~8 s each on 2 cores)

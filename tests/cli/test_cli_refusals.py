@@ -35,6 +35,13 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _edit_config(root / "typo_config", hidden_size="big")
     shutil.copytree(root / "llama", root / "odd_architecture")
     _edit_config(root / "odd_architecture", architectures=["Nope"])
+    for name, value in {"no_architecture": None, "empty_architectures": []}.items():
+        shutil.copytree(root / "llama", root / name)
+        _edit_config(root / name, architectures=value)
+    shutil.copytree(root / "llama", root / "bare_architecture")
+    _edit_config(root / "bare_architecture", architectures=["LlamaModel"])  # the weights hold lm_head too
+    assert main(["swap", "--model", str(root / "llama"), "--scheme", "alibi", "--output", str(root / "swapped")]) == 0
+    _edit_config(root / "swapped", architectures=None)
     return root
 
 
@@ -77,6 +84,30 @@ def test_an_unknown_architecture_is_refused_instead_of_dropping_the_head(ws, tmp
     line = one_line(capsys, main(["swap", "--model", str(ws / "odd_architecture"), "--scheme", "alibi",
                                   "--output", str(tmp_path / "out")]))
     assert "'Nope'" in line and "LlamaForCausalLM" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", [
+    ["swap", "--model", "{m}", "--scheme", "alibi", "--output", "{out}"],
+    ["extend", "--model", "{m}", "--to", "128", "--output", "{out}"],
+    ["export", "{m}", "{out}"],
+], ids=["swap", "extend", "export"])
+@pytest.mark.parametrize("checkpoint", ["no_architecture", "empty_architectures"])
+def test_a_config_naming_no_architecture_is_refused_instead_of_dropping_the_head(ws, tmp_path, capsys, command,
+                                                                                checkpoint) -> None:
+    """Without 'architectures' the loader once took the bare model, and the LM head's weights were not saved
+    (export takes a swapped checkpoint, so it reads one whose 'architectures' is null)."""
+    model = ws / ("swapped" if command[0] == "export" else checkpoint)
+    line = one_line(capsys, main([a.format(m=model, out=tmp_path / "out") for a in command]))
+    assert "names no architecture" in line and "LlamaForCausalLM" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_weights_the_named_class_has_no_place_for_are_refused(ws, tmp_path, capsys) -> None:
+    """config.json names the bare LlamaModel, the weights hold a causal LM: loading would drop lm_head."""
+    line = one_line(capsys, main(["swap", "--model", str(ws / "bare_architecture"), "--scheme", "alibi",
+                                  "--output", str(tmp_path / "out")]))
+    assert "lm_head.weight" in line and "would be dropped" in line and "'architectures'" in line
     assert not (tmp_path / "out").exists()
 
 

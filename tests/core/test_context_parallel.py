@@ -115,7 +115,7 @@ def test_the_ring_of_self_extend_equals_the_chunked_path(causal: bool) -> None:
     settings = TwoPassSettings(group=3, window=4, start=4)
     rotary = ps.RopeConfig().resolve(SPEC).build(SPEC)
     query, key, value = qkv()
-    context = PositionContext(rotary, "rotary", 0, lambda module: True, self_extend=tuple(settings))
+    context = PositionContext(rotary, "rotary", 0, lambda module: True, two_pass=settings)
     module = torch.nn.Module()
     module.is_causal = causal
     expected, _ = chunked_self_extend(module, query, key, value, None, context, SCALE)  # [B, L, H, D]
@@ -144,14 +144,14 @@ def test_one_rank_in_query_chunks_equals_the_dense_paths_with_gradients(
     positions = config.resolve(SPEC).build(SPEC)
     for parameter in positions.parameters():
         torch.nn.init.normal_(parameter)
-    settings = (3, 4, 4) if scheme == "self-extend" else None
+    settings = TwoPassSettings(3, 4, 4) if scheme == "self-extend" else None
     attention = torch.nn.Module()
     attention.is_causal, attention.layer_idx, attention.num_key_value_groups = causal, 0, HEADS // KV_HEADS
     inputs = [tensor.requires_grad_() for tensor in qkv()]
     weights = torch.randn(2, LENGTH, HEADS, DIM, generator=torch.Generator().manual_seed(3))
 
     def run(ring: bool) -> list[torch.Tensor]:
-        context = PositionContext(positions, config.kind, 0, lambda module: True, self_extend=settings)
+        context = PositionContext(positions, config.kind, 0, lambda module: True, two_pass=settings)
         if ring:
             shard = context_parallel.RingShard(None, 0, 1, (0,), (LENGTH,), None, None)
             output = ring_attention(attention, *inputs, context, shard, SCALE, 0.0)  # [B, L, H, D]
@@ -222,7 +222,7 @@ def test_the_ring_uses_given_position_ids_as_one_process_does(scheme: str, causa
     for parameter in positions.parameters():
         if parameter.dim():
             torch.nn.init.normal_(parameter)
-    settings = (3, 4, 4) if scheme == "self-extend" else None
+    settings = TwoPassSettings(3, 4, 4) if scheme == "self-extend" else None
     attention = torch.nn.Module()
     attention.is_causal, attention.layer_idx, attention.num_key_value_groups = causal, 0, HEADS // KV_HEADS
     explicit = given_positions()
@@ -230,7 +230,7 @@ def test_the_ring_uses_given_position_ids_as_one_process_does(scheme: str, causa
     valid[1, :4] = False
 
     def make_context() -> PositionContext:
-        return PositionContext(positions, config.kind, 0, lambda module: True, self_extend=settings)
+        return PositionContext(positions, config.kind, 0, lambda module: True, two_pass=settings)
 
     query, key, value = qkv()
     index = torch.arange(LENGTH)

@@ -47,6 +47,23 @@ def test_unknown_scheme_lists_schemes_and_suggests(llama: torch.nn.Module) -> No
     assert_untouched(llama, before)
 
 
+def test_unknown_rope_scaling_lists_the_scalings_and_suggests() -> None:
+    from hf_posswap.schemes.rope_scaling import SCALING_REGISTRY
+
+    known = re.escape(", ".join(sorted(SCALING_REGISTRY.names())))
+    with pytest.raises(ps.UnknownSchemeError, match=rf"^Unknown RoPE scaling method 'yarnn'\. Known: {known}\. "
+                       r"Did you mean 'yarn'\?$"):
+        ps.RopeConfig(scaling={"method": "yarnn", "factor": 4.0})
+
+
+def test_a_data_parallel_wrapper_is_refused_with_the_fix(llama: torch.nn.Module) -> None:
+    before = fingerprint(llama)
+    with pytest.raises(ps.UnsupportedFamilyError, match=r"DataParallel has no `config.model_type`.*It wraps a "
+                       r"LlamaForCausalLM in .module: pass that \(swap\(model.module, ...\)\)"):
+        ps.swap(torch.nn.DataParallel(llama), "alibi")
+    assert_untouched(llama, before)
+
+
 def test_unsupported_family_is_named_with_the_supported_ones() -> None:
     model = OPTForCausalLM(OPTConfig(hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=2,
                                      vocab_size=50, max_position_embeddings=32, word_embed_proj_dim=32))

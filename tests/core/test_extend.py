@@ -279,10 +279,11 @@ def test_self_extend_attention_uses_the_papers_grouped_distances(start: int) -> 
     from hf_posswap.core.context import PositionContext
     from hf_posswap.core.self_extend import self_extend_attention
     from hf_posswap.schemes.rope import apply_rotary
+    from hf_posswap.schemes.two_pass import TwoPassSettings
 
     group, window, length, head_dim = 3, 4, 20, 8
     rotary = ps.RopeConfig(rope_theta=100.0).build(_spec(head_dim))
-    context = PositionContext(rotary, "rotary", 0, lambda module: True, True, (group, window, start))
+    context = PositionContext(rotary, "rotary", 0, lambda module: True, True, TwoPassSettings(group, window, start))
     query, key, value = torch.randn(1, 1, length, head_dim), torch.randn(1, 1, length, head_dim), torch.eye(length)
     module = torch.nn.Module()
     _, weights = self_extend_attention(module, query, key, value[None, None, :, :head_dim].expand(1, 1, -1, -1),

@@ -25,6 +25,52 @@ def test_llama_swapped_to_its_own_rope_is_bit_identical() -> None:
     assert ps.describe(model).native
 
 
+#: rope_parameters of checkpoints that ship scaled RoPE (Llama 3.1's llama3, YaRN and linear fine-tunes, ...);
+#: original length 16 of the tiny model's 64, so every scaling changes the logits of a 150-token input
+OWN_SCALINGS = {
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "original_max_position_embeddings": 16, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0},
+}
+
+
+@pytest.mark.parametrize("rope", OWN_SCALINGS.values(), ids=OWN_SCALINGS.keys())
+def test_llama_swapped_to_rope_keeps_its_own_scaling(rope: dict) -> None:
+    """``swap(model, "rope")`` is the model's own RoPE, scaling included (as rope_theta=None keeps its base); the
+    scaling dropped would change every logit with no warning."""
+    from conftest import tiny_config
+    from transformers import LlamaForCausalLM
+
+    config = tiny_config("llama")
+    config.rope_parameters = {**rope, "rope_theta": 10_000.0}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    long_input = torch.randint(3, VOCAB, (1, 150), generator=torch.Generator().manual_seed(1))
+    before = logits(model, long_input)
+    plain = logits(make_unscaled(model), long_input)
+    assert not torch.allclose(plain, before, atol=1e-4)  # the scaling matters at this length
+    ps.swap(model, "rope")
+    assert torch.equal(logits(model, long_input), before)
+    assert model.config.rope_parameters["rope_type"] == rope["rope_type"]
+    ps.unswap(model)
+    assert torch.equal(logits(model, long_input), before)
+
+
+def make_unscaled(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with plain RoPE of the same base (what the swap gave before it kept the scaling)."""
+    import copy
+
+    from transformers import LlamaForCausalLM
+
+    config = copy.deepcopy(model.config)
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 10_000.0}
+    plain = LlamaForCausalLM(config).eval()
+    plain.load_state_dict(model.state_dict())
+    return plain
+
+
 def test_rope_defaults_to_the_models_own_theta() -> None:
     model = make_model("llama")
     model.config.rope_parameters = {"rope_type": "default", "rope_theta": 500.0}

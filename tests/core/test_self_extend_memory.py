@@ -23,6 +23,7 @@ from hf_posswap.core import self_extend
 from hf_posswap.core.context import PositionContext
 from hf_posswap.core.self_extend import chunk_size, chunked_self_extend, self_extend_attention
 from hf_posswap.schemes.rope import apply_rotary
+from hf_posswap.schemes.two_pass import TwoPassSettings
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}
 GROUP, WINDOW, ORIGINAL = 3, 5, 16
@@ -41,7 +42,7 @@ def reference_self_extend(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The dense Self-Extend attention before chunking (two [B, H, q, kv] logit tensors), verbatim."""
-    group, window, original = context.self_extend  # type: ignore[misc]
+    group, window, original = context.two_pass
     rotary = context.positions
     query_pos, key_pos = self_extend._positions(context, query.shape[2], key.shape[2], query.device)
     query_rows = query_pos if query_pos.dim() == 2 else query_pos[None]  # [1 or B, q]
@@ -98,7 +99,7 @@ def make_context(offset: int = 0, start: int = WINDOW) -> PositionContext:
         dtype=torch.float32, device=torch.device("cpu"),
     )
     rotary = ps.RopeConfig(rope_theta=100.0).build(spec)
-    return PositionContext(rotary, "rotary", offset, lambda module: True, True, (GROUP, WINDOW, start))
+    return PositionContext(rotary, "rotary", offset, lambda module: True, True, TwoPassSettings(GROUP, WINDOW, start))
 
 
 def tensors(batch: int, q_len: int, kv_len: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -183,7 +184,7 @@ def test_the_cases_exercise_both_logits_and_every_shortcut(start: int) -> None:
     ``start`` group nothing."""
     module, (query, key, value), _mask, context = case("causal", start)
     grouped = chunked_self_extend(module, query, key, value, None, context, 0.3)[0]
-    context.self_extend = (1, 10_000, 10_000)  # nothing grouped
+    context.two_pass = TwoPassSettings(1, 10_000, 10_000)  # nothing grouped
     plain = chunked_self_extend(module, query, key, value, None, context, 0.3)[0]
     assert not torch.allclose(grouped[:, start:], plain[:, start:], atol=1e-3)
     torch.testing.assert_close(grouped[:, :start], plain[:, :start], atol=0, rtol=0)

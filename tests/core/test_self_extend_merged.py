@@ -22,6 +22,7 @@ from hf_posswap.core import self_extend, two_pass_fused
 from hf_posswap.core.context import PositionContext
 from hf_posswap.core.paths import SELF_EXTEND_CHUNKED, SELF_EXTEND_MERGED, record_paths
 from hf_posswap.core.self_extend import chunked_self_extend, merged_self_extend
+from hf_posswap.schemes.two_pass import TwoPassSettings
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -52,7 +53,7 @@ def make_context(settings: tuple, offset: int, head_dim: int = HEAD_DIM) -> Posi
         native_rope_theta=None, dtype=torch.float32, device=torch.device("cpu"),
     )
     rotary = ps.RopeConfig(rope_theta=100.0).build(spec)
-    return PositionContext(rotary, "rotary", offset, lambda module: True, True, settings)
+    return PositionContext(rotary, "rotary", offset, lambda module: True, True, TwoPassSettings(*settings))
 
 
 def layout_case(name: str, settings: tuple, dtype: torch.dtype = torch.float32, head_dim: int = HEAD_DIM) -> tuple:
@@ -98,7 +99,7 @@ def test_the_layouts_group_some_pairs_and_not_others() -> None:
     window and equals it before."""
     query, key, value, mask, context = layout_case("prefill", SETTINGS["self-extend"])
     grouped = merged_self_extend(query, key, value, context, SCALE)
-    context.self_extend = (1, 10_000, 10_000)
+    context.two_pass = TwoPassSettings(1, 10_000, 10_000)
     plain = merged_self_extend(query, key, value, context, SCALE)
     assert (grouped - plain)[:, 5:].abs().max() > 1e-2
     torch.testing.assert_close(grouped[:, :5], plain[:, :5], atol=1e-6, rtol=0)

@@ -80,6 +80,17 @@ def test_exporting_an_unswapped_model_is_refused(tmp_path: Path) -> None:
         ps.export_standalone(make_model("gpt2"), tmp_path)
 
 
+def test_exporting_a_peft_model_says_to_merge_first(tmp_path: Path) -> None:
+    """The exported code carries the swap, not peft's adapters: refused with the fix, before anything is written."""
+    from peft import get_peft_model
+
+    model = swapped("llama", "alibi")
+    peft_model = get_peft_model(model, ps.lora_config(model, r=2))
+    with pytest.raises(ps.InvalidConfigError, match=r"holds peft adapters.*merge_and_unload\(\)"):
+        ps.export_standalone(peft_model, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
 def test_export_refuses_a_non_empty_directory(tmp_path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(OutputError, match=r"is not empty\. Choose a new or empty directory, or pass --overwrite"):

@@ -186,6 +186,40 @@ def test_reloaded_model_swaps_again_extends_and_saves(tmp_path: Path, family: st
     assert not _meta_tensors(again)
 
 
+FIRST_EXTENSIONS = ("linear", "ntk", "yarn", "dynamic", "llama3")
+
+
+@pytest.mark.parametrize("second", ["yarn", "linear", "ntk"])
+@pytest.mark.parametrize("first", FIRST_EXTENSIONS)
+def test_extending_a_reloaded_native_extension_again_starts_from_the_original(tmp_path: Path, first: str,
+                                                                              second: str) -> None:
+    """A LLaMA extended natively, saved and loaded by plain transformers, then extended again, equals the same two
+    extensions in memory: ``linear`` keeps no original length in rope_parameters and NTK only a raised base, so the
+    second extension reads both from the config.posswap record."""
+    in_memory = make_model("llama")
+    ps.extend_context(in_memory, 2 * MAX_POSITIONS, first)
+    in_memory.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert swap_state(reloaded) is None  # loaded natively: only the record remembers the original
+    for model in (in_memory, reloaded):
+        ps.extend_context(model, 4 * MAX_POSITIONS, second)
+    assert reloaded.config.rope_parameters == in_memory.config.rope_parameters
+    assert ps.describe(reloaded).context == ps.describe(in_memory).context
+    long_input = torch.randint(3, VOCAB, (1, 3 * MAX_POSITIONS), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(logits(reloaded, long_input), logits(in_memory, long_input), atol=0, rtol=0)
+
+
+def test_a_record_that_no_longer_describes_the_config_is_not_read(tmp_path: Path) -> None:
+    """rope_parameters edited after saving: the config as it stands is the model, its length the original."""
+    model = make_model("llama")
+    ps.extend_context(model, 2 * MAX_POSITIONS, "linear")
+    model.save_pretrained(tmp_path)
+    edit_config(tmp_path, lambda config: config["rope_parameters"].update(factor=3.0))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ps.extend_context(reloaded, 4 * MAX_POSITIONS, "yarn")
+    assert reloaded.config.rope_parameters["original_max_position_embeddings"] == 2 * MAX_POSITIONS
+
+
 def test_extending_a_reloaded_table_warns_only_when_the_user_unswaps(tmp_path: Path) -> None:
     swapped("gpt2", "learned").save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()

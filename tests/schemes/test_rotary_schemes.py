@@ -12,6 +12,7 @@ Peers:
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CAUSAL_FAMILIES, FAMILIES, VOCAB, make_model, swapped
+from conftest import CAUSAL_FAMILIES, FAMILIES, MAX_POSITIONS, VOCAB, make_model, swapped
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -154,6 +155,21 @@ def test_xpos_refuses_a_span_past_float32s_range() -> None:
         assert torch.isfinite(cos * 1e3).all() and torch.isfinite(sin * 1e3).all()  # headroom for |k| up to 1e3
     with pytest.raises(InvalidConfigError, match=r"xPos with scale_base=16 .* swap with XposConfig\(scale_base>="):
         module(torch.arange(span + 2))
+
+
+@pytest.mark.parametrize("scale_base", [1e-6, 0.01])
+def test_xpos_refuses_a_scale_base_no_input_could_run_with(scale_base: float) -> None:
+    """Refused at swap time, naming a scale_base that fits the model's length; the one suggested swaps and runs
+    that length."""
+    model = make_model("llama")
+    with pytest.raises(InvalidConfigError, match=rf"scale_base={scale_base!r} .* Use scale_base >= (\d+) "):
+        ps.swap(model, "xpos", scale_base=scale_base)
+    with pytest.raises(InvalidConfigError) as refused:
+        ps.swap(model, "xpos", scale_base=scale_base)
+    suggested = int(re.search(r"scale_base >= (\d+)", str(refused.value)).group(1))
+    ps.swap(model, "xpos", scale_base=float(suggested))
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(3, VOCAB, (1, MAX_POSITIONS))).logits).all()
 
 
 def test_xpos_in_float16_keeps_its_factors_finite() -> None:
