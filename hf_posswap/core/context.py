@@ -209,37 +209,42 @@ class PositionHook:
             self._check_attention_implementation(base)
         check_position_ids(kwargs)
         cache = find_cache(kwargs, f"{type(base).__name__}.forward")
-        query_offset = cache_length(cache)
         shard = self.ring.prepare(kwargs, cache) if self.ring is not None else None
-        if shard is not None:
-            query_offset = shard.starts[shard.rank]  # the shard's global positions
-        if self.layers is None:
-            refuse_foreign_rotation(cache, getattr(base, POSITIONS_ATTR, None), self.kind, self.two_pass)
-        else:
-            _refuse_foreign_rotation_per_layer(cache, getattr(base, POSITIONS_ATTR, None), self.layers)
-        self.adapter.prepare_inputs(base, kwargs, query_offset)
+        # tokens before this forward: the cache's length, or the shard's global start under context parallelism
+        query_offset = shard.starts[shard.rank] if shard is not None else cache_length(cache)
         positions = getattr(base, POSITIONS_ATTR, None)
-        context = None
+        if self.layers is None:
+            refuse_foreign_rotation(cache, positions, self.kind, self.two_pass)
+        else:
+            _refuse_foreign_rotation_per_layer(cache, positions, self.layers)
+        self.adapter.prepare_inputs(base, kwargs, query_offset)
         if self.adds_absolute and positions is not None:
             self._add_absolute(base, positions, kwargs, query_offset, self.combine, self.adapter)
+        context = None
         if self.feeds_attention:
-            context = PositionContext(
-                positions,
-                self.kind,
-                query_offset,
-                self.adapter.is_self_attention,
-                self.layer_shared,
-                self.two_pass,
-            )
-            # under context parallelism the shard carries the whole sequence's position ids (RingShard.explicit)
-            context.row_positions = None if shard is not None else explicit_positions(kwargs, query_offset, cache)
-            context.cache = cache
-            context.layers = self.layers
-            context.ring = shard
-            if self.two_pass is not None or (self.layers is not None and self.layers.needs_padded_positions):
-                context.padded_positions = padded_positions(kwargs.get("attention_mask"))
+            context = self._context(positions, kwargs, query_offset, cache, shard)
             kwargs[CONTEXT_KWARG] = context
         return (), kwargs, ForwardCheck(cache is not None, _new_tokens(kwargs), context)
+
+    def _context(
+        self, positions: nn.Module | None, kwargs: dict[str, Any], query_offset: int, cache: Any, shard: Any
+    ) -> PositionContext:
+        """The position context every attention call of this forward reads."""
+        needs_padded = self.two_pass is not None or (self.layers is not None and self.layers.needs_padded_positions)
+        return PositionContext(
+            positions,
+            self.kind,
+            query_offset,
+            self.adapter.is_self_attention,
+            self.layer_shared,
+            self.two_pass,
+            # under context parallelism the shard carries the whole sequence's position ids (RingShard.explicit)
+            row_positions=None if shard is not None else explicit_positions(kwargs, query_offset, cache),
+            padded_positions=padded_positions(kwargs.get("attention_mask")) if needs_padded else None,
+            cache=cache,
+            layers=self.layers,
+            ring=shard,
+        )
 
     def _check_attention_implementation(self, base: nn.Module) -> None:
         """An in-attention scheme would be silently dropped by an attention function that ignores the context."""
