@@ -3,21 +3,21 @@
 Error policy: every user error (a bad value, a missing or corrupt file, an output that cannot be written) is a
 :class:`~hf_posswap.errors.PosSwapError` raised by validation before expensive work starts; ``main`` prints it as
 one line on stderr and exits 1 (2 for a malformed command line). ``OSError`` (a full disk, a permission) is also
-printed as one line. Anything else is a bug and keeps its traceback.
+printed as one line, and so is a failed allocation (:mod:`~hf_posswap.cli.console`). Anything else is a bug and
+keeps its traceback.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from ..errors import InvalidConfigError, PosSwapError, one_line
-from .parser import INSPECT_LENGTH, PARSERS, UsageError
+from .console import library_bars_for, one_line_warning, out_of_memory, out_of_memory_message
+from .parser import INSPECT_LENGTH, PARSERS, UsageError, wants_help
 from .recipe import given_training_options
 from .wording import in_cli_words
 
@@ -41,12 +41,8 @@ def _doctor(argv: list[str]) -> int:
     return 0 if report.ok else 1
 
 
-def _wants_help(argv: list[str]) -> bool:
-    return any(arg in ("-h", "--help") for arg in argv)
-
-
 def _demo(argv: list[str]) -> int:
-    if not _wants_help(argv):  # the demo loads checkpoints with transformers' Auto classes itself
+    if not wants_help(argv):  # the demo loads checkpoints with transformers' Auto classes itself
         from ..persistence.autoload import register
 
         register()
@@ -327,27 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     prog = f"hf-posswap {argv[0]}" if argv and argv[0] in COMMANDS else "hf-posswap"
     with warnings.catch_warnings():
         if program:
-            warnings.showwarning = _one_line_warning(prog)
+            warnings.showwarning = one_line_warning(prog)
         try:
             return _run(argv)
         except BrokenPipeError:  # `hf-posswap ... | head` closed our stdout: stop quietly, as other commands do
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 141
-
-
-def _one_line_warning(prog: str):
-    """A ``warnings.showwarning`` that prints ``<prog>: warning: <message on one line>`` (no file:line, no source
-    line: they point into the library, not at anything the user typed)."""
-
-    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-             file: TextIO | None = None, line: str | None = None) -> None:
-        text = " ".join(str(message).split()) or category.__name__
-        try:
-            print(f"{prog}: warning: {text}", file=file if file is not None else sys.stderr, flush=True)
-        except (OSError, ValueError):  # stderr closed: a warning is not worth a crash
-            pass
-
-    return show
 
 
 def _run(argv: list[str]) -> int:
@@ -359,7 +340,7 @@ def _run(argv: list[str]) -> int:
         print(f"hf-posswap: unknown command '{command}'; choose from {', '.join(COMMANDS)}.", file=sys.stderr)
         return 2
     try:
-        with _library_bars(command, rest):
+        with library_bars_for(command, rest):
             return COMMANDS[command](rest)
     except UsageError as error:
         print(f"hf-posswap {command}: {error}", file=sys.stderr)
@@ -370,42 +351,14 @@ def _run(argv: list[str]) -> int:
         print(f"hf-posswap {command}: {in_cli_words(command, one_line(error))}", file=sys.stderr)
         return 1
     except (MemoryError, RuntimeError) as error:
-        if not _out_of_memory(error):
+        if not out_of_memory(error):
             raise
-        print(f"hf-posswap {command}: ran out of memory ({one_line(error)[:300]}). Nothing was written; use a "
-              "smaller model, batch, length or option value, or a machine with more memory.", file=sys.stderr)
+        print(f"hf-posswap {command}: {out_of_memory_message(error)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"hf-posswap {command}: interrupted; outputs are written atomically, so nothing half-written was "
               "left.", file=sys.stderr)
         return 130
-
-
-def _out_of_memory(error: BaseException) -> bool:
-    """A failed allocation: Python's MemoryError, torch's CPU allocator or CUDA's out-of-memory error."""
-    text = str(error)
-    return isinstance(error, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()
-
-
-#: commands that load or save checkpoints through transformers (whose loading and saving bars are its own)
-_LOADING_COMMANDS = ("demo", "eval", "export", "extend", "finetune", "inspect", "swap")
-#: commands with a --no-progress flag
-_PROGRESS_COMMANDS = ("demo", "eval", "extend", "finetune")
-
-
-@contextlib.contextmanager
-def _library_bars(command: str, argv: list[str]) -> Iterator[None]:
-    """transformers' own bars ("Loading weights", "Writing model shards") follow the command's progress policy: off
-    with ``--no-progress`` and off when stderr is not a terminal (a log gets no carriage returns). Restored after."""
-    from ..progress import is_terminal, library_bars
-
-    wanted = is_terminal(sys.stderr) and not (command in _PROGRESS_COMMANDS and "--no-progress" in argv)
-    if command not in _LOADING_COMMANDS or _wants_help(argv):  # nothing that shows one: no transformers import
-        wanted = True
-    elif not wanted and command in PARSERS:
-        PARSERS[command]().parse_args(argv)  # a malformed command line fails at once, before transformers loads
-    with library_bars(wanted):
-        yield
 
 
 if __name__ == "__main__":

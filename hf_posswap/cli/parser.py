@@ -180,3 +180,8 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "schemes": schemes_parser,
     "swap": swap_parser,
 }
+
+
+def wants_help(argv: list[str]) -> bool:
+    """Whether ``argv`` asks for a command's help (nothing is loaded then)."""
+    return any(arg in ("-h", "--help") for arg in argv)
