@@ -68,7 +68,7 @@ def extend_context(model: nn.Module, max_positions: int, method: str | None = No
     reloaded = _reloaded_native_rope(model, adapter) if state is None else None
     scheme = reloaded[0] if reloaded else _current_scheme(model, adapter, state)
     original, current = reloaded[1:] if reloaded else _lengths(model, state)
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (original, current)):
+    if not _positive_lengths(original, current):
         raise InvalidConfigError(
             f"This model's trained length is {original!r} (current {current!r}); extending needs positive integers. "
             "Restore max_position_embeddings in its config (config.json) to the length it was trained at."
@@ -146,7 +146,7 @@ def _reloaded_native_rope(model: nn.Module, adapter: FamilyAdapter) -> tuple[Rop
     extension = record.get("extension") if isinstance(record.get("extension"), dict) else {}
     method = extension.get("method")
     original, current = extension.get("original_max_position_embeddings"), extension.get("max_position_embeddings")
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (original, current)):
+    if not _positive_lengths(original, current):
         return None
     if _config_length(method, original, current) != model.config.max_position_embeddings:
         return None
@@ -157,6 +157,11 @@ def _reloaded_native_rope(model: nn.Module, adapter: FamilyAdapter) -> tuple[Rop
     except (PosSwapError, TypeError, ValueError):
         return None
     return (rope, original, current) if written == config_rope_parameters(model.config) else None
+
+
+def _positive_lengths(*lengths: Any) -> bool:
+    """Whether every length is a positive int (a bool is not one)."""
+    return all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
 
 
 def _lengths(model: nn.Module, state: SwapState | None) -> tuple[int, int]:
