@@ -173,8 +173,10 @@ def fast_suite(venv: Path, log: Path) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "junit.xml"
         deselect = [f"--deselect={test}" for test in TABLE_TESTS]
+        workers = os.environ.get("POSSWAP_TEST_WORKERS", "2")  # as scripts/test.sh runs the whole suite
+        threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if workers != "0" else {}
         run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-             *deselect], log, cwd=ROOT, env=environment(venv))
+             "-n", workers, "--dist", "loadfile", *deselect], log, cwd=ROOT, env={**environment(venv), **threads})
         suite = ElementTree.parse(report).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     total, failures, errors, skipped = (int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped"))
