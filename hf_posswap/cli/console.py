@@ -33,10 +33,11 @@ def out_of_memory(error: BaseException) -> bool:
     return isinstance(error, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()
 
 
-def out_of_memory_message(error: BaseException) -> str:
-    """The one line a failed allocation becomes (the user's to fix: a smaller model, batch, length or option)."""
-    return (f"ran out of memory ({one_line(error)[:300]}). Nothing was written; use a smaller model, batch, length or "
-            "option value, or a machine with more memory.")
+def out_of_memory_message(error: BaseException, kept: str = "Nothing was written") -> str:
+    """The one line a failed allocation becomes (the user's to fix: a smaller model, batch, length or option);
+    ``kept`` says what of the command's output survives."""
+    return (f"ran out of memory ({one_line(error)[:300]}). {kept}; use a smaller model, batch, length or option "
+            "value, or a machine with more memory.")
 
 
 #: commands that load or save checkpoints through transformers (whose loading and saving bars are its own)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import PosSwapError, one_line
+from .console import out_of_memory, out_of_memory_message
 from .parser import finetune_parser
 from .wording import in_cli_words
 
@@ -31,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except OSError as error:  # a full disk or a read-only directory while writing the run
         print(f"{PROG}: {type(error).__name__}: {' '.join(str(error).split())}", file=sys.stderr)
+        return 1
+    except (MemoryError, RuntimeError) as error:
+        if not out_of_memory(error):
+            raise
+        kept = "Checkpoints written so far are kept (continue with --resume)"
+        print(f"{PROG}: {out_of_memory_message(error, kept)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; checkpoints written so far are kept (continue with --resume).", file=sys.stderr)

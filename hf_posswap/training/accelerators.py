@@ -48,6 +48,12 @@ def make_accelerator(config: FinetuneConfig, fsdp, deepspeed):
         step_scheduler_with_optimizer=False,
         **_deepspeed_arguments(deepspeed),
     )
+    if config.mixed_precision == "fp16" and accelerator.device.type == "cpu" and deepspeed is None:
+        # accelerate leaves fp16 on the CPU without autocast or loss scaling: the run would be fp32 under its name
+        raise InvalidConfigError(
+            "--mixed-precision fp16 needs a GPU: on the CPU accelerate trains in float32 without autocast or loss "
+            "scaling. Pass --mixed-precision bf16 (CPU autocast) or no."
+        )
     if fsdp is not None:
         from .accelerate_config import check_sharding
 

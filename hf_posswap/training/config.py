@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -15,6 +16,8 @@ from ..errors import InvalidConfigError
 #: extra arguments this command does not take.
 LR_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                 "inverse_sqrt")
+#: where transformers' ``polynomial`` schedule ends (its ``lr_end`` default); it refuses a starting lr at or below it
+POLYNOMIAL_END_LR = 1e-7
 
 
 @dataclass
@@ -23,7 +26,7 @@ class FinetuneConfig:
 
     Args:
         model: checkpoint directory to start from.
-        data: text / jsonl files (globs allowed) or ``datasets`` directories saved with ``save_to_disk``.
+        data: text / jsonl / json files (globs allowed) or ``datasets`` directories saved with ``save_to_disk``.
         output: run directory: checkpoints, loss log, final model or adapter.
         scheme, scheme_options: swap to this scheme first (``None``: train the model's current positions).
         extend_to, extend_method, extend_options: extend the context first (``hf_posswap.extend_context``; the
@@ -91,8 +94,14 @@ class FinetuneConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.data, str):
+        if isinstance(self.data, (str, os.PathLike)):
             self.data = [self.data]
+        # pathlib paths are paths too; stored as strings (the recorded settings are JSON)
+        for name in ("model", "output", "accelerate_config"):
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        if isinstance(self.data, (list, tuple)):
+            self.data = [os.fspath(item) if isinstance(item, os.PathLike) else item for item in self.data]
         self._check_paths()
         self._check_integers()
         self._check_numbers()
@@ -123,6 +132,11 @@ class FinetuneConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InvalidConfigError(f"FinetuneConfig.{name} must be a positive integer or None, got {value!r}.")
+        if self.pose_target is not None and self.seq_len < 2:
+            raise InvalidConfigError(
+                "FinetuneConfig.pose_target needs FinetuneConfig.seq_len 2 or more (PoSE cuts each sequence into "
+                f"two chunks), got {self.seq_len}."
+            )
         if self.pose_target is not None and self.pose_target <= self.seq_len:
             raise InvalidConfigError(
                 f"pose_target={self.pose_target} must exceed seq_len={self.seq_len}: PoSE spreads short sequences "
@@ -137,6 +151,11 @@ class FinetuneConfig:
         if self.lr_schedule not in LR_SCHEDULES:
             raise InvalidConfigError(
                 f"lr_schedule {self.lr_schedule!r} is not supported; choose one of {', '.join(LR_SCHEDULES)}."
+            )
+        if self.lr_schedule == "polynomial" and self.lr <= POLYNOMIAL_END_LR:
+            raise InvalidConfigError(
+                f"FinetuneConfig.lr_schedule 'polynomial' decays to {POLYNOMIAL_END_LR:g}, so FinetuneConfig.lr must "
+                f"be above it, got {self.lr!r}; pass a larger FinetuneConfig.lr or another FinetuneConfig.lr_schedule."
             )
         if self.extend_method is not None and self.extend_to is None:
             raise InvalidConfigError(
@@ -234,7 +253,8 @@ def build_parser(prog: str = "hf-posswap finetune",
     parser = _OneLineParser(prog=prog, description="Fine-tune a model with swapped positions (accelerate).",
                             formatter_class=formatter_class)
     parser.add_argument("--model", required=True, help="checkpoint directory")
-    parser.add_argument("--data", nargs="+", required=True, help="text/jsonl files (globs) or datasets directories")
+    parser.add_argument("--data", nargs="+", required=True,
+                        help="text / jsonl / json files (globs) or datasets directories")
     parser.add_argument("--output", required=True, help="run directory")
     parser.add_argument("--scheme", help="swap to this scheme first (see `hf-posswap schemes`)")
     parser.add_argument("--scheme-option", action="append", default=[], metavar="KEY=JSON",
@@ -252,7 +272,7 @@ def build_parser(prog: str = "hf-posswap finetune",
                         help="train in reduced precision through accelerate")
     parser.add_argument("--accelerate-config", metavar="YAML",
                         help="an `accelerate config` file whose FSDP (CUDA) or DeepSpeed settings shard the model")
-    parser.add_argument("--text-field", default="text", help="jsonl / datasets field holding the text")
+    parser.add_argument("--text-field", default="text", help="jsonl / json / datasets field holding the text")
     for flag, text in FLAGS:
         parser.add_argument(f"--{flag}", action="store_true", help=text)
     parser.add_argument("--no-progress", action="store_true",

@@ -27,15 +27,18 @@ def expand_paths(patterns: Sequence[str]) -> list[Path]:
 
 
 def read_documents(paths: Iterable[Path], text_field: str = "text") -> list[str]:
-    """Documents from .txt files (one per file), .jsonl files (``text_field`` of each line), or a ``datasets``
-    dataset directory saved with ``save_to_disk``. Unreadable, binary or malformed files raise
-    :class:`InvalidConfigError` naming the file (and the line, for jsonl)."""
+    """Documents from .txt files (one per file), .jsonl files (``text_field`` of each line), .json files (JSON Lines
+    or a list of records), or a ``datasets`` dataset directory saved with ``save_to_disk``.
+    Unreadable, binary or malformed files raise :class:`InvalidConfigError` naming the file (and the line, for
+    jsonl)."""
     documents: list[str] = []
     for path in paths:
         if path.is_dir():
             documents.extend(_dataset_documents(path, text_field))
-        elif path.suffix == ".jsonl":
+        elif path.suffix.lower() == ".jsonl":
             documents.extend(_jsonl_documents(path, text_field))
+        elif path.suffix.lower() == ".json":
+            documents.extend(_json_documents(path, text_field))
         else:
             documents.append(_read_text(path))
     if not any(document.strip() for document in documents):
@@ -59,9 +62,25 @@ def _read_text(path: Path) -> str:
                                  "its permissions.") from None
 
 
-def _jsonl_documents(path: Path, text_field: str) -> list[str]:
+def _json_documents(path: Path, text_field: str) -> list[str]:
+    """A ``.json`` file as ``datasets`` writes and reads one: JSON Lines (``Dataset.to_json``'s default), a list of
+    records (``lines=False``) or a single record."""
+    text = _read_text(path)
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        return _jsonl_documents(path, text_field, text)  # more than one value: one record per line
+    if not isinstance(whole, list):
+        whole = [whole]
+    return [_record_text(record, text_field, f"{path} record {number}") for number, record in enumerate(whole, 1)]
+
+
+def _jsonl_documents(path: Path, text_field: str, text: str | None = None) -> list[str]:
     documents = []
-    for number, line in enumerate(_read_text(path).splitlines(), 1):
+    text = _read_text(path) if text is None else text
+    # "\n" only: JSON escapes a newline inside a string, while str.splitlines would also cut at the Unicode line
+    # separators (U+2028, U+0085, ...) that JSON writes as they are
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -71,15 +90,20 @@ def _jsonl_documents(path: Path, text_field: str) -> list[str]:
                 f"{path}:{number} is not valid JSON ({error.msg} at column {error.colno}); each line must be one "
                 f"JSON object with a '{text_field}' field."
             ) from None
-        if not isinstance(record, dict) or text_field not in record:
-            raise InvalidConfigError(f"{path}:{number} has no '{text_field}' field; pass --text-field.")
-        if not isinstance(record[text_field], str):
-            raise InvalidConfigError(
-                f"{path}:{number}: field '{text_field}' holds {type(record[text_field]).__name__}, not text; pass "
-                "--text-field naming a string field."
-            )
-        documents.append(record[text_field])
+        documents.append(_record_text(record, text_field, f"{path}:{number}"))
     return documents
+
+
+def _record_text(record: object, text_field: str, where: str) -> str:
+    """The text of one JSON record (an object with a string ``text_field``)."""
+    if not isinstance(record, dict) or text_field not in record:
+        raise InvalidConfigError(f"{where} has no '{text_field}' field; pass --text-field.")
+    if not isinstance(record[text_field], str):
+        raise InvalidConfigError(
+            f"{where}: field '{text_field}' holds {type(record[text_field]).__name__}, not text; pass --text-field "
+            "naming a string field."
+        )
+    return record[text_field]
 
 
 def _dataset_documents(path: Path, text_field: str) -> list[str]:

@@ -109,6 +109,32 @@ def check_output(config: FinetuneConfig) -> None:
             f"--output {config.output!r} holds a previous run ({', '.join(previous)}); pass --resume to continue it, "
             "--overwrite-output-dir to replace it, or another --output."
         )
+    if previous and config.overwrite_output_dir:
+        _check_overwrite(output, previous, config)
+
+
+#: result directories a user may also have made by that name; a run records its settings before writing any of them
+RESULT_DIRS = ("final", "adapter", "merged")
+
+
+def _check_overwrite(output: Path, previous: list[str], config: FinetuneConfig) -> None:
+    """``--overwrite-output-dir`` removes only what a run wrote, and never the model this run is to load."""
+    unrecorded = [name for name in previous if name in RESULT_DIRS]
+    if unrecorded and "finetune_config.json" not in previous:
+        raise OutputDirError(
+            f"--output {config.output!r} holds {', '.join(f'{name}/' for name in unrecorded)} but no "
+            "finetune_config.json, so no finetune run wrote it, and --overwrite-output-dir removes only what a run "
+            "wrote; move it away, or pass another --output."
+        )
+    model = Path(config.model).expanduser()
+    if not model.exists():
+        return
+    for name in previous:
+        if model.resolve().is_relative_to((output / name).resolve()):
+            raise OutputDirError(
+                f"--model {config.model!r} lies inside {output / name}, which --overwrite-output-dir removes before "
+                "training; copy the model elsewhere first, or pass another --output."
+            )
 
 
 def previous_run_files(output: Path) -> list[str]:
@@ -185,13 +211,20 @@ def _remove_checkpoints(root: Path) -> None:
 # --- after loading, while training -------------------------------------------------------------------------------
 
 
-def check_sequence_length(model: torch.nn.Module, config: FinetuneConfig) -> None:
+def check_sequence_length(model: torch.nn.Module, config: FinetuneConfig, teacher: bool = False) -> None:
     """A learned absolute table (native or swapped) has a fixed number of positions; positions past it fail mid-run.
-    Refuse ``seq_len`` (or ``pose_target``) beyond it before any data is prepared."""
+    Refuse ``seq_len`` (or ``pose_target``) beyond it before any data is prepared. ``teacher``: ``model`` is the
+    distillation teacher, the model as loaded, which sees the student's positions but keeps its own table."""
     needed = max(config.seq_len, config.pose_target or 0)
     table = learned_table_length(model)
     if table is not None and needed > table:
         flag = "pose-target" if needed != config.seq_len else "seq-len"
+        if teacher:
+            raise InvalidConfigError(
+                f"--distill: the teacher is the model as loaded, before --scheme / --extend-to, and its learned "
+                f"position table has {table} positions, so it cannot read --{flag} {needed}; pass --{flag} {table} "
+                "or less, or train without --distill."
+            )
         raise InvalidConfigError(
             f"--{flag} {needed} is past the model's learned position table ({table} positions); pass --{flag} "
             f"{table} or less, or grow the table first (--extend-to {needed}, or --scheme alibi/rope/...)."

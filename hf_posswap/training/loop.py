@@ -33,7 +33,16 @@ from .guards import (
 from .losses import distillation_kl, hidden_state_matching, pose_position_ids
 from .model import enable_checkpointing, prepare_positions, teacher_copy, with_lora
 from .model import load_model as _load_model  # the name tests patch to prove nothing loads before a refusal
-from .resume import CONFIG_FILE, LOSS_LOG, load_checkpoint, plan_resume, record_settings, say, truncate_loss_log
+from .resume import (
+    CONFIG_FILE,
+    LOSS_LOG,
+    load_checkpoint,
+    logged_loss,
+    plan_resume,
+    record_settings,
+    say,
+    truncate_loss_log,
+)
 from .state import CHECKPOINTS, PROCESS_COUNT, latest_checkpoint, publish_checkpoint, save_result, staging_dir
 
 
@@ -110,6 +119,8 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
     resume = plan_resume(config, output, accelerator) if config.resume else None
     model, tokenizer = _load_model(config, objective, accelerator)
     check_vocabulary(model, tokenizer, config.model)
+    if config.distill and config.distill_weight > 0 and (config.scheme or config.extend_to):
+        check_sequence_length(model, config, teacher=True)  # the teacher: this model before the swap / extension
     teacher = teacher_copy(model, accelerator) if config.distill else None
     prepare_positions(model, config)
     check_sequence_length(model, config)
@@ -174,7 +185,7 @@ def _steps(config, accelerator, output: Path, objective: str, parts: dict[str, A
            checkpoint: Path | None, progress) -> tuple[float, float | None]:
     model, optimizer, scheduler = parts["model"], parts["optimizer"], parts["scheduler"]
     train_loader, eval_loader, trainable = parts["train_loader"], parts["eval_loader"], parts["trainable"]
-    last_loss, eval_loss = float("nan"), None
+    last_loss, eval_loss = logged_loss(output, position["step"]) if position["step"] else math.nan, None
     while position["step"] < config.steps:
         train_loader.set_epoch(position["epoch"])
         batches = accelerator.skip_first_batches(train_loader, position["batches_in_epoch"])

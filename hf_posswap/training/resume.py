@@ -98,7 +98,7 @@ def record_settings(output: Path, config: FinetuneConfig, changes: dict[str, tup
         history = list(recorded_settings(output).get(HISTORY_KEY, []))
         if changes:
             history.append({"at_step": step, "changed": {name: list(pair) for name, pair in changes.items()}})
-    record = dataclasses.asdict(config)
+    record = _anchored(dataclasses.asdict(config))
     if history:
         record[HISTORY_KEY] = history
     write_text_atomic(output / CONFIG_FILE, json.dumps(record, indent=2))
@@ -119,6 +119,21 @@ def truncate_loss_log(output: Path, step: int) -> None:
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
             kept.append(line)
     write_text_atomic(path, "".join(f"{line}\n" for line in kept))
+
+
+def logged_loss(output: Path, step: int) -> float:
+    """The training loss the loss log holds for ``step`` (NaN when it holds none): what a resumed run that has no
+    step left to train reports."""
+    path = output / LOSS_LOG
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines() if path.is_file() else []
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("step") == step and isinstance(record.get("loss"), (int, float)):
+            return float(record["loss"])
+    return float("nan")
 
 
 def plan_resume(config: FinetuneConfig, output: Path, accelerator) -> dict[str, Any] | None:
@@ -199,9 +214,22 @@ def _default(field: dataclasses.Field) -> Any:
     return None
 
 
+def _anchored(record: dict[str, Any]) -> dict[str, Any]:
+    """The settings with their local paths made absolute: a relative path means nothing once the working directory
+    changes, so a resume from elsewhere compares with where the run's files really were. A model name that is no
+    local path (a hub id) stays as given."""
+    model = os.path.expanduser(record["model"])
+    if os.path.exists(model):
+        record["model"] = os.path.abspath(model)
+    record["data"] = [os.path.abspath(os.path.expanduser(item)) for item in record["data"]]
+    if record.get("accelerate_config") is not None:
+        record["accelerate_config"] = os.path.abspath(os.path.expanduser(record["accelerate_config"]))
+    return record
+
+
 def _normalised(name: str, value: Any) -> Any:
     """Paths compare by where they point (a resume from another working directory is the same run)."""
-    if name == "model" and isinstance(value, str):
+    if name in ("model", "accelerate_config") and isinstance(value, str):
         return os.path.realpath(os.path.expanduser(value))
     if name == "data" and isinstance(value, (list, tuple)):
         return [os.path.realpath(os.path.expanduser(item)) if isinstance(item, str) else item for item in value]

@@ -290,6 +290,27 @@ def test_jsonl_and_datasets_directories_are_read(workspace, tmp_path) -> None:
         read_documents([jsonl], text_field="body")
 
 
+def test_json_files_read_as_the_datasets_library_reads_them(tmp_path) -> None:
+    """``.json`` as ``datasets`` writes it (JSON Lines by default, a list of records with ``lines=False``); text
+    holding Unicode line separators (which JSON leaves unescaped) stays one record. The documents equal what
+    ``datasets.load_dataset("json")`` reads from the same files."""
+    from hf_posswap.training.data import read_documents
+
+    datasets = pytest.importorskip("datasets")
+    texts = ["plain", "a\u2028line separator", "next line\x85and paragraph\u2029separators", "tab\tand\nnewline"]
+    table = datasets.Dataset.from_dict({"text": texts, "id": list(range(len(texts)))})
+    files = {"lines.json": lambda path: table.to_json(str(path)),
+             "records.json": lambda path: table.to_json(str(path), lines=False),
+             "UPPER.JSONL": lambda path: table.to_json(str(path)),
+             "unescaped.jsonl": lambda path: path.write_text(
+                 "".join(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in texts), encoding="utf-8")}
+    for name, write in files.items():
+        write(tmp_path / name)
+        expected = datasets.load_dataset("json", data_files=str(tmp_path / name), split="train",
+                                         cache_dir=str(tmp_path / "cache"))["text"]
+        assert read_documents([tmp_path / name]) == expected == texts, name
+
+
 @pytest.mark.slow
 def test_cli_finetune(workspace, tmp_path) -> None:
     command = [sys.executable, "-m", "hf_posswap", "finetune", "--model", str(workspace / "gpt2"), "--data",
@@ -315,3 +336,13 @@ def test_gradient_checkpointing_accumulation_and_bf16(workspace, tmp_path) -> No
                  mixed_precision="bf16")
     assert result["steps"] == 2 and math.isfinite(result["train_loss"])
     assert len(losses(tmp_path)) == 2
+
+
+def test_pathlib_paths_are_accepted_and_stored_as_strings(tmp_path) -> None:
+    """``FinetuneConfig(model=Path(...), data=Path(...))`` as Python users write it; the record is JSON."""
+    config = FinetuneConfig(model=tmp_path / "model", data=tmp_path / "corpus.txt", output=tmp_path / "out",
+                            accelerate_config=tmp_path / "fsdp.yaml")
+    assert (config.model, config.data, config.output, config.accelerate_config) == (
+        str(tmp_path / "model"), [str(tmp_path / "corpus.txt")], str(tmp_path / "out"), str(tmp_path / "fsdp.yaml"))
+    assert FinetuneConfig(model="m", data=[tmp_path / "a.txt", "b.txt"], output="o").data == [
+        str(tmp_path / "a.txt"), "b.txt"]

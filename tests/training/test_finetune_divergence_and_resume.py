@@ -222,3 +222,35 @@ def test_an_interrupted_run_exits_130_releases_its_lock_and_resumes(workspace, t
     monkeypatch.setattr(loop, "_loss", original)
     assert main(argv(workspace, tmp_path, "--steps", "4", "--resume")) == 0
     assert steps_logged(tmp_path) == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_resume_compares_paths_where_the_run_found_them(workspace, tmp_path, capsys, monkeypatch) -> None:
+    """Relative paths are recorded as absolute ones: a resume from another working directory with the same relative
+    arguments would read other files and is refused; the same files named by absolute paths resume."""
+    import shutil
+
+    monkeypatch.chdir(workspace)
+    relative = {"model": "gpt2", "data": ["corpus/*.txt"]}
+    run(workspace, tmp_path / "run", steps=2, **relative)
+    recorded = json.loads((tmp_path / "run" / "finetune_config.json").read_text())
+    assert recorded["model"] == str(workspace / "gpt2") and recorded["data"] == [str(workspace / "corpus" / "*.txt")]
+
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(workspace / "gpt2", elsewhere / "gpt2")
+    shutil.copytree(workspace / "corpus", elsewhere / "corpus")
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(ps.PosSwapError, match=r"model: '[^']*/gpt2' -> 'gpt2'; data: "):
+        run(workspace, tmp_path / "run", steps=4, resume=True, **relative)
+    result = run(workspace, tmp_path / "run", steps=4, resume=True)  # absolute paths to the run's own files
+    assert result["first_step"] == 2 and steps_logged(tmp_path / "run") == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_reports_its_last_loss(workspace, tmp_path) -> None:
+    """Nothing is left to train, so the closing loss is the one logged at the last step, not NaN."""
+    first = run(workspace, tmp_path, steps=2)
+    again = run(workspace, tmp_path, steps=2, resume=True)
+    logged = [json.loads(line) for line in (tmp_path / "loss_log.jsonl").read_text().splitlines()]
+    assert again["first_step"] == again["steps"] == 2
+    assert again["train_loss"] == logged[-1]["loss"] == first["train_loss"]

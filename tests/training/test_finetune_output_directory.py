@@ -107,3 +107,26 @@ def test_overwrite_unlinks_a_symlinked_result_without_touching_its_target(worksp
     run(workspace, tmp_path / "run", overwrite_output_dir=True)
     assert (mine / "precious.txt").read_text() == "keep"
     assert (tmp_path / "run" / "final").is_dir() and not (tmp_path / "run" / "final").is_symlink()
+
+
+@pytest.mark.slow
+def test_overwrite_refuses_to_remove_the_model_it_is_to_train(workspace, tmp_path, capsys) -> None:
+    """Continuing from a run's own result (``--model out/final --output out --overwrite-output-dir``) would delete
+    that model before loading it: refused before anything is removed."""
+    run(workspace, tmp_path, steps=2)
+    weights = (tmp_path / "final" / "model.safetensors").read_bytes()
+    code = main(argv(workspace, tmp_path, "--overwrite-output-dir") + ["--model", str(tmp_path / "final")])
+    line = one_line_error(capsys, code)
+    assert f"--model '{tmp_path / 'final'}' lies inside {tmp_path / 'final'}, which --overwrite-output-dir" in line
+    assert (tmp_path / "final" / "model.safetensors").read_bytes() == weights
+    assert steps_logged(tmp_path) == [1, 2]
+
+
+def test_overwrite_leaves_result_folders_no_run_recorded(workspace, tmp_path, capsys, no_model_loading) -> None:
+    """A ``final/`` (or ``adapter/``, ``merged/``) without the run's ``finetune_config.json`` was not written by a
+    run: ``--overwrite-output-dir`` refuses rather than delete it."""
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "mine.txt").write_text("keep")
+    line = one_line_error(capsys, main(argv(workspace, tmp_path, "--overwrite-output-dir")))
+    assert "holds final/ but no finetune_config.json, so no finetune run wrote it" in line
+    assert (tmp_path / "final" / "mine.txt").read_text() == "keep"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import finetune_runs
 import pytest
+import torch
 from finetune_runs import argv, one_line_error, run
 
 from hf_posswap.cli.finetune import main
@@ -77,6 +78,13 @@ def test_objective_against_the_model_is_checked_before_loading(workspace, tmp_pa
     (["--seq-len", "128"], "--seq-len 128 is past the model's learned position table (64 positions)"),
     (["--scheme", "learned", "--seq-len", "100"], "--seq-len 100 is past the model's learned position table"),
     (["--seq-len", "16", "--pose-target", "256"], "--pose-target 256 is past the model's learned position table"),
+    # distillation: the teacher is the model as loaded, whose table the swap or extension does not grow
+    (["--scheme", "alibi", "--seq-len", "100", "--distill"],
+     "--distill: the teacher is the model as loaded, before --scheme / --extend-to, and its learned position table "
+     "has 64 positions, so it cannot read --seq-len 100; pass --seq-len 64 or less"),
+    (["--extend-to", "128", "--seq-len", "128", "--distill"], "it cannot read --seq-len 128"),
+    (["--scheme", "rope", "--seq-len", "16", "--pose-target", "100", "--distill"],
+     "it cannot read --pose-target 100; pass --pose-target 64 or less"),
 ])
 def test_sequences_past_a_learned_table_are_refused_before_training(workspace, tmp_path, capsys, flags,
                                                                     named) -> None:
@@ -129,6 +137,9 @@ def test_both_entry_points_print_one_line_and_fail(workspace, tmp_path, entry, f
     (["--extend-to", "0"], "--extend-to must be a positive integer or None, got 0"),
     (["--seq-len", "1"], "--seq-len 1 leaves nothing to predict for a causal LM"),
     (["--resume", "--overwrite-output-dir"], "--resume and --overwrite-output-dir exclude each other"),
+    (["--lr", "1e-7", "--lr-schedule", "polynomial"],
+     "--lr-schedule 'polynomial' decays to 1e-07, so --lr must be above it, got 1e-07; pass a larger --lr"),
+    (["--seq-len", "1", "--pose-target", "8"], "--pose-target needs --seq-len 2 or more (PoSE cuts each sequence"),
 ])
 def test_more_bad_settings_are_refused_before_loading(workspace, tmp_path, capsys, no_model_loading, flags,
                                                       named) -> None:
@@ -148,3 +159,32 @@ def test_odd_data_files(workspace, tmp_path, capsys, no_model_loading) -> None:
                           (workspace / "corpus", "is a directory but not a `datasets` dataset")):
         code = main(["--model", str(workspace / "gpt2"), "--data", str(data), "--output", str(tmp_path / "out")])
         assert message in one_line_error(capsys, code)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 trains on a GPU")
+def test_fp16_on_the_cpu_is_refused_rather_than_run_in_float32(workspace, tmp_path, capsys, no_model_loading) -> None:
+    """accelerate runs ``mixed_precision="fp16"`` on the CPU without autocast or a loss scaler: fp32 under fp16's
+    name (and the gradient check that trusts the scaler would be off). Refused before the model loads."""
+    line = one_line_error(capsys, main(argv(workspace, tmp_path / "run", "--mixed-precision", "fp16")))
+    assert "--mixed-precision fp16 needs a GPU" in line and "--mixed-precision bf16" in line
+
+
+def test_running_out_of_memory_in_the_finetune_entry_point_is_one_line(workspace, tmp_path, capsys,
+                                                                       monkeypatch) -> None:
+    """``python -m hf_posswap.cli.finetune`` (and ``accelerate launch -m`` of it) prints a failed allocation as one
+    line, as ``hf-posswap`` does, and says what is kept; other RuntimeErrors keep their traceback."""
+    import hf_posswap.training.loop as loop
+
+    def allocate(config):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4000000000000 bytes.")
+
+    monkeypatch.setattr(loop, "finetune", allocate)
+    line = one_line_error(capsys, main(argv(workspace, tmp_path / "run")))
+    assert "ran out of memory" in line and "Checkpoints written so far are kept (continue with --resume)" in line
+
+    def broken(config):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(loop, "finetune", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(argv(workspace, tmp_path / "run"))
