@@ -19,7 +19,7 @@ answers at once.
 from __future__ import annotations
 
 import argparse
-import math
+import os
 import sysconfig
 import time
 from pathlib import Path
@@ -39,10 +39,12 @@ def perplexity(model, input_ids) -> float:
     """exp(mean next-token NLL) over one window [1, L]."""
     import torch
 
+    from ..evaluation.perplexity import exp_nll
+
     with torch.no_grad():
         logits = model(input_ids=input_ids).logits[0, :-1].float()  # [L-1, vocab]
         nll = torch.nn.functional.cross_entropy(logits, input_ids[0, 1:])
-    return math.exp(nll.item())
+    return exp_nll(nll.item())
 
 
 def continuation(model, tokenizer, max_new_tokens: int = 16) -> str:
@@ -77,6 +79,7 @@ def run(
     print(f"Loading {path} ...", flush=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
+    corpus_ids = _check_model(model, tokenizer, path, length, extension_lengths)  # before the first forward pass
     input_ids = tokenizer(reference_text(), return_tensors="pt")["input_ids"][:, :length]
     rows = scheme_rows(model, tokenizer, input_ids, schemes, progress)
     print(
@@ -90,7 +93,8 @@ def run(
     if extension_lengths:
         print("\nContext extension (one forward pass per length and model; minutes per pass at 12,288 tokens on "
               "2 cores):", flush=True)
-        rows += extension_demo(model, tokenizer, extension_lengths, output, progress, Path(path).name)
+        rows += extension_demo(model, tokenizer, corpus_ids, extension_lengths, output, progress, Path(path).name,
+                               saved_name(checkpoint))
     print(f"\nDone in {time.perf_counter() - started:.0f} s.")
     return rows
 
@@ -119,12 +123,12 @@ def scheme_rows(model, tokenizer, input_ids, schemes: tuple[str, ...], progress:
 def window_rows(model, token_ids, length: int, trained: int) -> list[dict[str, Any]]:
     """One forward pass over the first ``length`` tokens: the perplexity of the whole window ("windows") and, past
     the trained length, of the positions beyond it only ("tail", so early tokens do not flatter the number)."""
-    from ..evaluation.perplexity import window_nlls
+    from ..evaluation.perplexity import exp_nll, window_nlls
 
     modes = ["windows", "tail"] if length > trained else ["windows"]
     first_scored = [1, trained] if length > trained else [1]
     sums = window_nlls(model, token_ids[:length], first_scored)
-    return [{"length": length, "mode": mode, "perplexity": math.exp(nll / count), "nll": nll / count,
+    return [{"length": length, "mode": mode, "perplexity": exp_nll(nll / count), "nll": nll / count,
              "tokens": count, "windows": 1, "tail_from": trained if mode == "tail" else None}
             for mode, (nll, count) in zip(modes, sums, strict=True)]
 
@@ -135,24 +139,50 @@ def forward_cost(length: int) -> float:
     return length * (1 + length / 8192)  # SmolLM2 on 2 cores: a 12,288-token pass took ~5x a 4,096-token one
 
 
-def extension_demo(model, tokenizer, lengths: tuple[int, ...], output: Path, progress: bool = True,
-                   name: str = "SmolLM2-135M-Instruct") -> list[dict]:
-    """Perplexity of the first window of each length of the reference text, without scaling and with YaRN to
-    32,768; a plot; a save (with the tokenizer) + plain-transformers reload check. ``model`` is unswapped on entry
-    and on exit."""
+def saved_name(checkpoint: str | None) -> str:
+    """The folder (under ``--output``) of the extended checkpoint: named after the model extended."""
+    return "smollm2-yarn-32k" if checkpoint is None else f"{Path(checkpoint).expanduser().resolve().name}-yarn-32k"
+
+
+def _check_model(model, tokenizer, path: str, length: int, extension_lengths: tuple[int, ...]):
+    """What only the loaded model tells, checked before any forward pass: the lengths fit a learned position table,
+    the context-extension part has RoPE to scale, and the reference text holds every extension length. Returns
+    the reference text's token ids [N] (``None`` without extension lengths)."""
     import torch
 
+    from ..core.extend import check_extension
+    from ..errors import InvalidConfigError, PosSwapError, one_line
+    from ..evaluation import corpus_text
+    from ..evaluation.checks import check_lengths_fit
+    from ..evaluation.perplexity import plan_windows
+
+    check_lengths_fit(model, length)
+    if not extension_lengths:
+        return None
+    try:
+        check_extension(model, EXTENDED_TO, "yarn")
+    except PosSwapError as error:
+        raise InvalidConfigError(
+            f"--checkpoint {path!r}: the context-extension part cannot extend it with YaRN ({one_line(error)}); pass "
+            "a LLaMA-like RoPE checkpoint, or skip that part with --extension-lengths and no lengths."
+        ) from None
+    token_ids = torch.tensor(tokenizer(corpus_text("reference"))["input_ids"])  # [N]
+    for window in extension_lengths:  # a length past the text is refused here, not after the swaps
+        plan_windows(model, token_ids, window, "windows", None, None)
+    return token_ids
+
+
+def extension_demo(model, tokenizer, token_ids, lengths: tuple[int, ...], output: Path, progress: bool = True,
+                   name: str = "SmolLM2-135M-Instruct", saved: str = "smollm2-yarn-32k") -> list[dict]:
+    """Perplexity of the first window of each length of the reference text (``token_ids`` [N]), without scaling
+    and with YaRN to 32,768; a plot; a save under ``output / saved`` (with the tokenizer) + plain-transformers
+    reload check. ``model`` is unswapped on entry and on exit."""
     from ..core.extend import extend_context
     from ..core.swap import unswap
-    from ..evaluation import corpus_text
-    from ..evaluation.perplexity import plan_windows
     from ..evaluation.plots import plot_perplexity
     from ..progress import Progress
 
     trained = int(getattr(model.config, "max_position_embeddings", 8192))
-    token_ids = torch.tensor(tokenizer(corpus_text("reference"))["input_ids"])
-    for length in lengths:  # a length past the text fails here, before the first long forward pass
-        plan_windows(model, token_ids, length, "windows", None, None)
     labels = ("no scaling", f"yarn to {EXTENDED_TO}")
     runs: dict[str, dict] = {}
     weights = [forward_cost(n) for _ in labels for n in lengths]
@@ -171,12 +201,11 @@ def extension_demo(model, tokenizer, lengths: tuple[int, ...], output: Path, pro
     output.mkdir(parents=True, exist_ok=True)
     plot = plot_perplexity(runs, output / "perplexity_vs_length.png", mode=None, trained_length=trained,
                            title=f"{name}, trained at {trained:,} tokens: perplexity of the first window")
-    same = _save_and_reload(model, tokenizer, output / "smollm2-yarn-32k", token_ids[None, :64], progress)
+    same = _save_and_reload(model, tokenizer, output / saved, token_ids[None, :64], progress)
     unswap(model)
     _print_extension_table(runs, labels, trained)
     print(f"\nPlot: {plot}")
-    print(f"Saved {output / 'smollm2-yarn-32k'} with its tokenizer; plain transformers reloads it with identical "
-          f"logits: {same}")
+    print(f"Saved {output / saved} with its tokenizer; plain transformers reloads it with identical logits: {same}")
     return [{"label": k, **r} for k, v in runs.items() for r in v["perplexity"]]
 
 
@@ -230,8 +259,23 @@ def _check_args(args: argparse.Namespace) -> None:
         if source.kind == "adapter" or not source.is_causal():
             raise InvalidConfigError(f"--checkpoint {args.checkpoint!r}: the demo needs a LLaMA-like causal "
                                      "checkpoint directory (not an adapter or an encoder).")
-    if Path(args.output).exists() and not Path(args.output).is_dir():
-        raise InvalidConfigError(f"--output {args.output!r} is a file; give a directory for the plot and the model.")
+    _check_output(Path(args.output), saved_name(args.checkpoint) if args.extension_lengths else None)
+
+
+def _check_output(output: Path, saved: str | None) -> None:
+    """``--output`` can take the plot and the extended checkpoint (``output / saved``): a directory, or one to
+    create inside a writable one."""
+    from ..errors import InvalidConfigError
+    from ..persistence.saving import check_output_dir
+
+    if output.exists() and not output.is_dir():
+        raise InvalidConfigError(f"--output {str(output)!r} is a file; give a directory for the plot and the model.")
+    existing = next(folder for folder in (output, *output.resolve().parents) if folder.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise InvalidConfigError(f"--output {str(output)!r}: {str(existing)!r} is not a writable directory; choose "
+                                 "another --output.")
+    if saved is not None and output.is_dir():
+        check_output_dir(output / saved, overwrite=True, flag="--output")  # the demo's own folder: files replaced
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,7 +165,7 @@ def _eval(argv: list[str]) -> int:
         )
     tokenizer = load_tokenizer(source, required=True)
     check_passkey_lengths(tokenizer, args.passkey_lengths)  # needs only the tokenizer: before the model loads
-    model = load_model(source, "causal")
+    model = load_model(source, "causal", dtype=args.dtype)
     results = evaluate(model, tokenizer, args.lengths, text=text, corpus=args.corpus, modes=args.mode,
                        stride=args.stride, tail_from=args.tail_from, max_windows=args.max_windows or None,
                        passkey_lengths=args.passkey_lengths, depths=args.depths, trials=args.trials,
@@ -275,6 +275,9 @@ def _plot(argv: list[str]) -> int:
     if args.passkey_output:
         check_output_file(args.passkey_output, flag="--passkey-output")
         check_picture_path(args.passkey_output, flag="--passkey-output")
+        if Path(args.passkey_output).resolve() == Path(args.output).resolve():
+            raise InvalidConfigError(f"--passkey-output {args.passkey_output!r} is also --output: the heatmap would "
+                                     "replace the perplexity picture; give it another file name.")
     runs = load_runs(args.runs, args.mode, passkey=bool(args.passkey_output))
     print(f"wrote {plot_perplexity(runs, args.output, args.mode, args.trained_length)}")
     if args.passkey_output:

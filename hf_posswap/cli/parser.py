@@ -94,7 +94,7 @@ def eval_parser() -> OneLineParser:
     parser.add_argument("--tail-from", type=int,
                         help="tail mode: score positions from here on (default: the model's trained length)")
     parser.add_argument("--max-windows", type=int, default=4, help="windows per length (0: all of them)")
-    parser.add_argument("--text", nargs="*", metavar="FILE", help="text files to evaluate on instead of --corpus")
+    parser.add_argument("--text", nargs="+", metavar="FILE", help="text files to evaluate on instead of --corpus")
     parser.add_argument("--corpus", default="reference", choices=CORPORA,
                         help="built-in text: reference (typing.py + argparse.py + tarfile.py), pydoc (Python's "
                              "documentation topics) or stdlib (the standard library's sources)")
@@ -104,6 +104,9 @@ def eval_parser() -> OneLineParser:
                         help="where the passkey sits in the prompt: 0 = start, 1 = end")
     parser.add_argument("--trials", type=int, default=5, help="passkey prompts per length and depth")
     parser.add_argument("--output", help="also write the results as JSON here")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights' dtype for the evaluation (auto: as saved, transformers' default; float32 "
+                             "gives numbers comparable across checkpoints saved in different dtypes)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bars or progress lines on stderr (results still go to stdout)")
     return parser

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -62,6 +63,38 @@ def extend_context(model: nn.Module, max_positions: int, method: str | None = No
             ``short_factor``, ...).
     """
     wrapper, model = model, unwrap_peft(model)
+    plan = _plan(model, max_positions, method, options)
+    adapter, state, method, original = plan.adapter, plan.state, plan.method, plan.original
+    new_config, fill_table = plan.scheme, plan.fill_table
+    record = {"method": method, "original_max_position_embeddings": original, "max_position_embeddings": max_positions}
+    rope = new_config.rope_parts()[0] if isinstance(new_config, LayerMix) and new_config.rope_parts() else new_config
+    if isinstance(rope, RopeConfig) and rope.scaling is not None:
+        record["scaling"] = rope.scaling.to_dict()
+    if new_config is not None:  # lift keeps the installed modules (and their trained weights) as they are
+        _reswap(model, new_config, replace=state is not None)
+    if fill_table is not None:
+        fill_table()
+    _apply_length_edits(model, adapter, method, original, max_positions, record)
+    return wrapper
+
+
+def check_extension(model: nn.Module, max_positions: int, method: str | None = None, **options: Any) -> None:
+    """Raise what ``extend_context(model, max_positions, method, **options)`` would raise, changing nothing: a
+    command checks its extension before hours of other work."""
+    _plan(unwrap_peft(model), max_positions, method, options)
+
+
+class _ExtensionPlan(NamedTuple):
+    adapter: FamilyAdapter
+    state: SwapState | None
+    method: str
+    original: int
+    scheme: SchemeConfig | None  # the scheme to swap in (None: ``lift`` keeps the installed modules)
+    fill_table: Callable[[], None] | None  # fills a grown learned table once it is swapped in
+
+
+def _plan(model: nn.Module, max_positions: int, method: str | None, options: dict) -> _ExtensionPlan:
+    """Every check of ``extend_context`` and what it will change; nothing is changed yet."""
     check_loaded(model)
     adapter = get_family(model)
     state = swap_state(model)
@@ -83,26 +116,16 @@ def extend_context(model: nn.Module, max_positions: int, method: str | None = No
         )
     method = method or _default_method(scheme)
     if method in SCALING_REGISTRY:
-        plan = _rope_plan(model, scheme, method, original, max_positions, options)
+        new_config, fill_table = _rope_plan(model, scheme, method, original, max_positions, options)
     elif method in TABLE_METHODS:
-        plan = _table_plan(model, adapter, scheme, method, original, max_positions, options)
+        new_config, fill_table = _table_plan(model, adapter, scheme, method, original, max_positions, options)
     elif method == LIFT:
-        plan = _lift_plan(scheme, options)
+        new_config, fill_table = _lift_plan(scheme, options)
     else:
         raise InvalidOptionError(
             f"Unknown extension method '{method}'. Methods: {', '.join(available_extension_methods())}."
         )
-    new_config, fill_table = plan
-    record = {"method": method, "original_max_position_embeddings": original, "max_position_embeddings": max_positions}
-    rope = new_config.rope_parts()[0] if isinstance(new_config, LayerMix) and new_config.rope_parts() else new_config
-    if isinstance(rope, RopeConfig) and rope.scaling is not None:
-        record["scaling"] = rope.scaling.to_dict()
-    if new_config is not None:  # lift keeps the installed modules (and their trained weights) as they are
-        _reswap(model, new_config, replace=state is not None)
-    if fill_table is not None:
-        fill_table()
-    _apply_length_edits(model, adapter, method, original, max_positions, record)
-    return wrapper
+    return _ExtensionPlan(adapter, state, method, original, new_config, fill_table)
 
 
 def _reswap(model: nn.Module, config: SchemeConfig, replace: bool) -> None:

@@ -16,7 +16,14 @@ from torch import nn
 
 from ..errors import InvalidConfigError
 from ..progress import Progress
-from .checks import check_causal, check_lengths_fit, check_results_output, check_settings, check_vocabulary
+from .checks import (
+    check_causal,
+    check_lengths_fit,
+    check_results_output,
+    check_settings,
+    check_vocabulary,
+    learned_table_size,
+)
 from .corpora import CORPORA, corpus_text, text_digest
 from .passkey import PasskeyResult, passkey_accuracy, passkey_prompt, shortest_passkey_length
 from .perplexity import MODES, PerplexityResult, perplexity, plan_windows
@@ -73,8 +80,10 @@ def evaluate(
         raise InvalidConfigError("The evaluation text is empty; pass a text file with content, or a built-in corpus.")
     token_ids = torch.tensor(tokenizer(text)["input_ids"])
     _check_before_running(model, tokenizer, token_ids, lengths, modes, stride, tail_from, passkey_lengths)
+    weights = next(model.parameters(), None)
     results: dict[str, Any] = {
         "text": {"source": source, "sha256": text_digest(text), "tokens": int(token_ids.numel())},
+        "dtype": str(weights.dtype).removeprefix("torch.") if weights is not None else None,  # what the numbers ran in
         "perplexity": [],
         "passkey": [],
     }
@@ -108,6 +117,10 @@ def check_passkey_lengths(tokenizer, passkey_lengths: Sequence[int]) -> None:
         )
 
 
+#: positions a passkey answer may take after its prompt (a 5-digit key and one token more, in any tokenizer here)
+ANSWER_TOKENS = 8
+
+
 def _check_before_running(model: nn.Module, tokenizer, token_ids: torch.Tensor, lengths: Sequence[int],
                           modes: Sequence[str], stride: int | None, tail_from: int | None,
                           passkey_lengths: Sequence[int]) -> None:
@@ -117,8 +130,15 @@ def _check_before_running(model: nn.Module, tokenizer, token_ids: torch.Tensor, 
             plan_windows(model, token_ids, length, mode, stride, tail_from)
     check_lengths_fit(model, max(passkey_lengths, default=0))  # before a long prompt is built for nothing
     check_passkey_lengths(tokenizer, passkey_lengths)
-    prompts = []
-    for length in passkey_lengths:
-        prompts.append(passkey_prompt(tokenizer, length, 0.5, "12345").numel() + 8)  # + the answer's tokens
-    check_lengths_fit(model, max([*lengths, *prompts], default=0))
+    check_lengths_fit(model, max(lengths, default=0))
+    table = learned_table_size(model)
+    for length in passkey_lengths if table is not None else ():
+        needed = passkey_prompt(tokenizer, length, 0.5, "12345").numel() + ANSWER_TOKENS
+        if needed > table[1]:
+            raise InvalidConfigError(
+                f"Passkey length {length} needs {needed} positions (the prompt, then up to {ANSWER_TOKENS} answer "
+                f"tokens), past the model's learned position table ({table[0]}: {table[1]} positions); use passkey "
+                f"lengths <= {length - (needed - table[1])}, or extend the context first (hf-posswap extend --to "
+                f"{needed})."
+            )
     check_vocabulary(model, tokenizer)

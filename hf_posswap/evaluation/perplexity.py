@@ -89,7 +89,16 @@ def perplexity(
         raise InvalidConfigError(f"No token was scored at length {length} ({mode}); use a longer text or length.")
     mean = total / count
     tail_from = first_scored[0] if mode == "tail" else None
-    return PerplexityResult(length, mode, math.exp(mean), mean, count, len(starts), tail_from)
+    return PerplexityResult(length, mode, exp_nll(mean), mean, count, len(starts), tail_from)
+
+
+def exp_nll(mean_nll: float) -> float:
+    """Perplexity from a mean next-token NLL: ``exp(mean_nll)``, and ``inf`` where that passes the float range (a
+    mean above ~709.8 nats: a model that gives the text almost no probability) rather than an OverflowError."""
+    try:
+        return math.exp(mean_nll)
+    except OverflowError:
+        return math.inf
 
 
 def plan_windows(

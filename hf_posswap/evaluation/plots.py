@@ -72,6 +72,9 @@ def perplexity_figure(
         if not any(lines.values()):
             warnings.warn(f"Run {label!r} has no {' or '.join(measures)} perplexity rows with a finite, positive "
                           "value; it is left out of the picture.", EmptyRunWarning, stacklevel=3)
+        elif left_out := _undrawable(runs[label], measures):
+            warnings.warn(f"Run {label!r}: perplexity {left_out} cannot be drawn on a log axis; those points are left "
+                          "out of the picture.", EmptyRunWarning, stacklevel=3)
         for measure, points in lines.items():
             if points:
                 style, marker = _STYLES[measure]
@@ -105,6 +108,13 @@ def _points(results: dict[str, Any], mode: str) -> list[tuple[float, float]]:
     rows = [r for r in results.get("perplexity", []) if r.get("mode") == mode]
     return sorted((r["length"], r["perplexity"]) for r in rows
                   if math.isfinite(r["perplexity"]) and r["perplexity"] > 0 and r["length"] > 0)
+
+
+def _undrawable(results: dict[str, Any], measures: Sequence[str]) -> str:
+    """The rows of ``measures`` that ``_points`` leaves out: ``inf at 4,096 tokens (windows), ...`` ("" if none)."""
+    rows = [r for r in results.get("perplexity", []) if r.get("mode") in measures]
+    return ", ".join(f"{r['perplexity']} at {r['length']:,} tokens ({r['mode']})" for r in rows
+                     if not (math.isfinite(r["perplexity"]) and r["perplexity"] > 0 and r["length"] > 0))
 
 
 def _measure_name(mode: str, runs: Iterable[dict[str, Any]]) -> str:
@@ -309,16 +319,22 @@ def load_runs(paths: Sequence[str], mode: str | None = None, passkey: bool = Fal
     from ..errors import InvalidConfigError
     from ..persistence.user_files import read_json
 
-    runs = {}
+    runs: dict[str, dict[str, Any]] = {}
+    sources: dict[str, str] = {}
     for item in paths:
         label, sep, path = item.partition("=")
         if not sep or Path(item).exists():
             label, path = Path(item).stem, item
         if not Path(path).is_file():
             raise InvalidConfigError(f"Results file {path!r} does not exist; pass the --output of hf-posswap eval.")
+        if label in runs:
+            raise InvalidConfigError(
+                f"Two runs are labelled {label!r} ({sources[label]!r} and {path!r}), and a picture tells runs apart "
+                f"by label; name them: {label}-a={sources[label]} {label}-b={path}."
+            )
         results = read_json(Path(path), flag="results")
         _check_results(results, path, mode, passkey and not runs)  # the first run's passkey is drawn
-        runs[label] = results
+        runs[label], sources[label] = results, path
     return runs
 
 

@@ -228,11 +228,12 @@ def _check_adapter_record(record: dict[str, Any], path: Path) -> None:
                               f"{', '.join(SCHEME_REGISTRY.names())}); restore the file written with the adapter.")
 
 
-def load_model(source: ModelSource, task: str = "saved", merge: bool = False) -> nn.Module:
+def load_model(source: ModelSource, task: str = "saved", merge: bool = False, dtype: str = "auto") -> nn.Module:
     """Load what :func:`inspect_model_path` found. ``task``: ``"causal"`` (a causal LM head) or ``"saved"`` (the
-    saved architecture). An adapter is loaded onto its swapped base; ``merge`` folds it into the weights."""
+    saved architecture). An adapter is loaded onto its swapped base; ``merge`` folds it into the weights.
+    ``dtype``: ``"auto"`` (as saved) or a dtype name such as ``"float32"``."""
     if source.kind == "adapter" and source.base is not None:
-        base = load_model(source.base, _adapter_task(source, task))
+        base = load_model(source.base, _adapter_task(source, task), dtype=dtype)
         model = _attach_adapter(base, source)
         return _merge(model, source) if merge else model
     from ..core.native import check_loaded
@@ -241,7 +242,7 @@ def load_model(source: ModelSource, task: str = "saved", merge: bool = False) ->
     register()  # the hf-posswap command registers only now (its --help must not need torch)
     auto = _auto_class(source, task)
     try:
-        model, report = auto.from_pretrained(source.path, output_loading_info=True)
+        model, report = auto.from_pretrained(source.path, output_loading_info=True, dtype=dtype)
         _refuse_dropped_weights(report.get("unexpected_keys") or [], source)
         check_loaded(model)  # a swap record loaded as the plain family: its position weights were dropped
         return model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,7 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import hf_posswap as ps
-from hf_posswap.core.extend import grow_table
+from hf_posswap.core.extend import check_extension, grow_table
 from hf_posswap.core.state import swap_state
 
 HEAD_DIM = 16
@@ -395,3 +396,25 @@ def test_absurd_lengths_are_refused_before_allocating() -> None:
     assert swap_state(model) is None
     with pytest.raises(ps.InvalidConfigError, match=r"LearnedConfig.max_positions=1000000000 is past 16777216"):
         ps.swap(model, "learned", max_positions=10**9)
+
+
+@pytest.mark.parametrize(("family", "method"), [("gpt2", "yarn"), ("llama", "interpolate"), ("llama", "yarn"),
+                                                ("gpt2", "interpolate")], ids=lambda value: str(value))
+def test_check_extension_raises_what_extend_would_and_changes_nothing(family: str, method: str) -> None:
+    """A command checks its extension before its other work; the check must agree with the extension itself."""
+    model = make_model(family)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    described = repr(ps.describe(model))
+    try:
+        ps.extend_context(copy.deepcopy(model), 256, method)
+        expected = None
+    except ps.PosSwapError as error:
+        expected = str(error)
+    if expected is None:
+        check_extension(model, 256, method)
+    else:
+        with pytest.raises(ps.PosSwapError) as refused:
+            check_extension(model, 256, method)
+        assert str(refused.value) == expected
+    assert repr(ps.describe(model)) == described
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())

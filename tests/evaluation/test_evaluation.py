@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import byte_tokenizer, make_model, save_tiny_checkpoint
+from conftest import byte_tokenizer, make_model, save_tiny_checkpoint, tiny_config
 from torch import nn
 
 import hf_posswap as ps
@@ -287,6 +287,30 @@ def test_lengths_past_a_learned_table_are_refused_before_running() -> None:
     with pytest.raises(ps.InvalidConfigError, match=r"Length 100 exceeds the model's learned position table "
                        r"\(transformer.wpe: 64 positions\).*hf-posswap extend --to 100"):
         evaluate(model, byte_tokenizer(), [100], corpus="pydoc", progress=False)
+
+
+def test_a_perplexity_past_the_float_range_is_inf_not_an_overflow_error() -> None:
+    """A mean NLL above ~709.8 nats (a model sure of the wrong token) overflows math.exp; the perplexity is inf."""
+    table = torch.full((7, 7), -1000.0)
+    table[:, 0] = 1000.0  # every next token predicted to be 0 with a margin of 2,000 nats
+    result = perplexity(BigramModel(table), torch.ones(100, dtype=torch.long), 50)
+    assert result.nll > 1000 and result.perplexity == math.inf
+
+
+def test_a_passkey_prompt_past_a_learned_table_says_what_fits() -> None:
+    """The prompt plus the answer's tokens must fit the table: the error names the passkey length the user gave and
+    one that fits, not the internal prompt length."""
+    from transformers import GPT2LMHeadModel
+
+    config = tiny_config("gpt2")
+    config.n_positions, config.vocab_size = 200, 259  # room for the shortest passkey prompt (96 byte tokens)
+    model = GPT2LMHeadModel(config)
+    with pytest.raises(ps.InvalidConfigError) as refused:
+        evaluate(model, byte_tokenizer(), passkey_lengths=[200], progress=False)
+    message = str(refused.value)
+    assert message.startswith("Passkey length 200 needs ") and "(transformer.wpe: 200 positions)" in message
+    fitting = int(message.split("use passkey lengths <= ")[1].split(",")[0])
+    evaluate(model, byte_tokenizer(), passkey_lengths=[fitting], depths=[0.5], trials=1, progress=False)
 
 
 def test_evaluate_refuses_empty_text() -> None:

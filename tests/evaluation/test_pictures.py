@@ -184,3 +184,34 @@ def test_measured_values_are_written_where_they_were_measured() -> None:
     written = sorted((text.xy, text.get_text()) for text in axis.texts)
     assert written == [((4096, 8.57), "8.57"), ((4096, 9.37), "9.37"), ((12288, 7.8), "7.80"),
                        ((12288, 8.6), "8.60"), ((12288, 10.72), "10.72")]  # nothing at 8,192, where lines cross
+
+
+def test_a_run_that_loses_some_points_says_which() -> None:
+    """A model that blows up at long lengths must not look like a line that simply ends early."""
+    runs = {"blows up": _run({64: 5.0, 128: math.inf, 256: math.nan}, {})}
+    expected = r"'blows up': perplexity inf at 128 tokens \(windows\), nan at 256 tokens"
+    with pytest.warns(EmptyRunWarning, match=expected):
+        figure = perplexity_figure(runs, mode="windows")
+    assert [list(line.get_xdata()) for line in figure.axes[0].get_lines()] == [[64]]
+
+
+def test_two_runs_with_one_label_are_refused_not_merged(tmp_path) -> None:
+    """``a/results.json`` and ``b/results.json`` are both labelled ``results`` by default: the second would replace
+    the first without a word."""
+    for folder, value in (("a", 5.0), ("b", 9.0)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "results.json").write_text(json.dumps(_run({64: value}, {})))
+    first, second = str(tmp_path / "a" / "results.json"), str(tmp_path / "b" / "results.json")
+    with pytest.raises(InvalidConfigError, match=r"Two runs are labelled 'results'.*name them: results-a="):
+        plots.load_runs([first, second])
+    assert list(plots.load_runs([f"a={first}", f"b={second}"])) == ["a", "b"]
+
+
+def test_the_heatmap_may_not_replace_the_perplexity_picture(tmp_path, capsys) -> None:
+    from hf_posswap.cli.main import main
+
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps({**_run({64: 5.0}, {}), "passkey": [{"length": 64, "depth": 0.5, "accuracy": 1}]}))
+    picture = str(tmp_path / "p.png")
+    assert main(["plot", str(results), "--output", picture, "--passkey-output", picture]) == 1
+    assert "is also --output" in capsys.readouterr().err and not (tmp_path / "p.png").exists()

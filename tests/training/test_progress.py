@@ -191,7 +191,7 @@ def test_demo_reports_every_step_and_saves_a_complete_checkpoint(tmp_path, capsy
                  "save and reload: step 2/2 done (reloaded); finished in"):
         assert line in captured.err
     assert "|      128 | past 64     |" in captured.out and "identical logits: True" in captured.out
-    saved = tmp_path / "demo" / "smollm2-yarn-32k"
+    saved = tmp_path / "demo" / "m-yarn-32k"  # named after the checkpoint extended
     tokenizer = load_tokenizer(inspect_model_path(str(saved)), required=True)
     assert tokenizer("abc")["input_ids"] == byte_tokenizer()("abc")["input_ids"]
     assert main(["--checkpoint", str(tmp_path / "m"), "--schemes", "alibi", "--length", "32",
