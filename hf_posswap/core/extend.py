@@ -63,7 +63,7 @@ def extend_context(model: nn.Module, max_positions: int, method: str | None = No
             ``short_factor``, ...).
     """
     wrapper, model = model, unwrap_peft(model)
-    plan = _plan(model, max_positions, method, options)
+    plan = _extension_plan(model, max_positions, method, options)
     adapter, state, method, original = plan.adapter, plan.state, plan.method, plan.original
     new_config, fill_table = plan.scheme, plan.fill_table
     record = {"method": method, "original_max_position_embeddings": original, "max_position_embeddings": max_positions}
@@ -81,7 +81,7 @@ def extend_context(model: nn.Module, max_positions: int, method: str | None = No
 def check_extension(model: nn.Module, max_positions: int, method: str | None = None, **options: Any) -> None:
     """Raise what ``extend_context(model, max_positions, method, **options)`` would raise, changing nothing: a
     command checks its extension before hours of other work."""
-    _plan(unwrap_peft(model), max_positions, method, options)
+    _extension_plan(unwrap_peft(model), max_positions, method, options)
 
 
 class _ExtensionPlan(NamedTuple):
@@ -93,7 +93,7 @@ class _ExtensionPlan(NamedTuple):
     fill_table: Callable[[], None] | None  # fills a grown learned table once it is swapped in
 
 
-def _plan(model: nn.Module, max_positions: int, method: str | None, options: dict) -> _ExtensionPlan:
+def _extension_plan(model: nn.Module, max_positions: int, method: str | None, options: dict) -> _ExtensionPlan:
     """Every check of ``extend_context`` and what it will change; nothing is changed yet."""
     check_loaded(model)
     adapter = get_family(model)
