@@ -27,6 +27,16 @@ def one_line_warning(prog: str):
     return show
 
 
+def program_notes_hidden(program: bool) -> contextlib.AbstractContextManager:
+    """Around a command run as the program (the console script, ``python -m``): library notes that are noise in its
+    output stay out of it (``persistence.quiet.DEEPSPEED_CPU_NOTE``). A caller of ``main(argv)`` keeps its own."""
+    if not program:
+        return contextlib.nullcontext()
+    from ..persistence.quiet import DEEPSPEED_CPU_NOTE, hidden_logs
+
+    return hidden_logs("DeepSpeed", DEEPSPEED_CPU_NOTE)
+
+
 def out_of_memory(error: BaseException) -> bool:
     """A failed allocation: Python's MemoryError, torch's CPU allocator or CUDA's out-of-memory error."""
     text = str(error)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import PosSwapError, one_line
-from .console import out_of_memory, out_of_memory_message
+from .console import out_of_memory, out_of_memory_message, program_notes_hidden
 from .parser import finetune_parser
 from .wording import in_cli_words
 
@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..training.loop import finetune
 
     try:
-        result = finetune(config_from_args(args))
+        with program_notes_hidden(argv is None):
+            result = finetune(config_from_args(args))
     except PosSwapError as error:
         print(f"{PROG}: {in_cli_words('finetune', one_line(error))}", file=sys.stderr)
         return 1

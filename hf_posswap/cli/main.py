@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidConfigError, PosSwapError, one_line
-from .console import library_bars_for, one_line_warning, out_of_memory, out_of_memory_message
+from .console import (
+    library_bars_for,
+    one_line_warning,
+    out_of_memory,
+    out_of_memory_message,
+    program_notes_hidden,
+)
 from .parser import INSPECT_LENGTH, PARSERS, UsageError, wants_help
 from .recipe import given_training_options
 from .wording import in_cli_words
@@ -319,12 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; the exit status (0, 1 for a user error, 2 for a malformed command line).
 
     Run as the program (``argv`` None: the console script, ``python -m hf_posswap``), Python warnings are printed as
-    one line each (``hf-posswap plot: warning: ...``), and the warning machinery is restored on return. A caller
+    one line each (``hf-posswap plot: warning: ...``), and the warning machinery is restored on return; DeepSpeed's
+    note on CPU machines is hidden (``console.program_notes_hidden``). A caller
     that passes ``argv`` keeps its own display of warnings (``catch_warnings(record=True)`` still records them)."""
     program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = f"hf-posswap {argv[0]}" if argv and argv[0] in COMMANDS else "hf-posswap"
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), program_notes_hidden(program):
         if program:
             warnings.showwarning = one_line_warning(prog)
         try:

@@ -11,7 +11,11 @@ What is hidden, and why it is safe to hide:
   peft reads the unswapped base's config through the swapped model's config class to compare vocabulary sizes;
 - transformers' "`loss_type=None` was set in the config but it is unrecognized", logged when a model whose class
   name has no known loss suffix (``GPT2LMHeadModel``) is trained, though nothing was set: the causal-LM loss it
-  falls back to is the right one.
+  falls back to is the right one;
+- DeepSpeed's "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.",
+  logged when accelerate or transformers imports DeepSpeed (an optional extra) while a command saves or trains, on
+  every machine where torch sees no CUDA: the command runs on the CPU there all the same, and ``hf-posswap doctor``
+  says which devices torch sees. Hidden around a command the ``hf-posswap`` program runs, not in library calls.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ SHARED_TENSOR_NOTE = r"Removed shared tensor .* while saving"
 BASE_CONFIG_NOTE = r"model of type `(\w+)` to instantiate a model of type `hf_posswap_\1`"
 #: transformers' note when a model class's name does not say its loss (GPT2LMHeadModel)
 LOSS_TYPE_NOTE = r"^`loss_type=None` was set in the config but it is unrecognized"
+#: DeepSpeed's note, when it is imported on a machine where torch sees no CUDA
+DEEPSPEED_CPU_NOTE = r"^Setting accelerator to CPU\. If you have GPU or other accelerator, we were unable to detect it"
 
 
 @contextlib.contextmanager

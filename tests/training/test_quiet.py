@@ -8,9 +8,13 @@ names the missing files (never "install sentencepiece")."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -25,6 +29,8 @@ from hf_posswap.persistence.quiet import hidden_logs, release
 from hf_posswap.training import FinetuneConfig, finetune
 from hf_posswap.training.data import pack
 from hf_posswap.training.model import new_head
+
+ROOT = Path(__file__).resolve().parents[2]
 
 NOISE = (
     "is_gradient_checkpointing",  # transformers 5.x deprecations, read by peft
@@ -116,6 +122,24 @@ def test_a_full_run_with_tied_weights_prints_no_library_noise(ws, tmp_path, capf
     assert not noise_in(printed), printed[-3000:]
     for name in ("transformers.modeling_utils", "transformers.configuration_utils", "accelerate.utils.other"):
         assert not logging.getLogger(name).filters, name  # hiding was scoped to the calls
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None or torch.cuda.is_available(),
+                    reason="DeepSpeed's note is printed only where it is installed and torch sees no CUDA")
+@pytest.mark.parametrize("entry", [["-m", "hf_posswap", "finetune"], ["-m", "hf_posswap.cli.finetune"]],
+                         ids=["hf-posswap", "cli.finetune"])
+def test_the_programs_keep_deepspeeds_cpu_note_out_of_their_output(ws, tmp_path, entry) -> None:
+    """accelerate imports DeepSpeed while a run saves; on a machine without CUDA DeepSpeed then says it was "unable
+    to detect" a GPU, in the middle of the command's output. The programs hide that one note."""
+    command = [sys.executable, *entry, "--model", str(ws / "gpt2"), "--data", str(ws / "corpus" / "*.txt"),
+               "--output", str(tmp_path / "run"), "--seq-len", "32", "--steps", "1", "--batch-size", "2",
+               "--eval-fraction", "0", "--no-progress"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "finished 1 steps" in result.stdout
+    assert "unable to detect" not in result.stdout + result.stderr, result.stderr[-2000:]
 
 
 def test_a_new_masked_lm_head_is_explained_not_called_corrupted(ws, tmp_path, capfd, library_logs) -> None:
