@@ -65,7 +65,8 @@ def main() -> None:
         run_dir = output / name
         finetune(FinetuneConfig(model=str(checkpoint), data=[str(output / "corpus" / "*.txt")], output=str(run_dir),
                                 scheme="alibi", seq_len=args.seq_len, batch_size=4, steps=args.steps, lr=args.lr,
-                                warmup_steps=2, eval_every=0, save_every=args.steps, eval_fraction=0.0, **options))
+                                warmup_steps=min(2, args.steps), eval_every=0, save_every=args.steps,
+                                eval_fraction=0.0, **options))
         reloaded = AutoModelForCausalLM.from_pretrained(run_dir / "final")
         assert ps.describe(reloaded).scheme == "alibi"
         rows.append((f"ALiBi after {args.steps} steps, {name} objective (reloaded)", heldout_loss(reloaded, eval_ids)))

@@ -23,7 +23,7 @@ from .console import (
     out_of_memory_message,
     program_notes_hidden,
 )
-from .parser import INSPECT_LENGTH, PARSERS, UsageError, wants_help
+from .parser import INSPECT_LENGTH, MAX_INSPECT_LENGTH, PARSERS, UsageError, wants_help
 from .recipe import given_training_options
 from .wording import in_cli_words
 
@@ -244,6 +244,12 @@ def _inspect(argv: list[str]) -> int:
 
     if args.length is not None and args.length < 2:
         raise InvalidConfigError(f"--length {args.length}: draw at least 2 positions.")
+    if args.length is not None and args.length > MAX_INSPECT_LENGTH:
+        raise InvalidConfigError(
+            f"--length {args.length}: the pictures draw at most {MAX_INSPECT_LENGTH} positions (a picture is a few "
+            f"hundred pixels across, and the bias picture holds heads x length x length numbers); pass --length "
+            f"{MAX_INSPECT_LENGTH} or less."
+        )
     if args.scheme:
         _check_scheme(args.scheme, {})
     if Path(args.output).exists() and not Path(args.output).is_dir():

@@ -14,6 +14,9 @@ from ..errors import PosSwapError
 
 #: positions `inspect` draws unless --length says otherwise
 INSPECT_LENGTH = 256
+#: the most positions `inspect` draws: a picture is a few hundred pixels across, and the bias picture holds
+#: heads x length x length numbers (2 GiB for 32 heads at 4,096)
+MAX_INSPECT_LENGTH = 4096
 #: the built-in scheme names (``hf_posswap.available_schemes()``; tests/cli/test_cli_fast.py checks they agree)
 SCHEMES = ("learned", "sinusoidal", "none", "rope", "alibi", "t5", "kerple", "sandwich", "fire", "xpos", "proportional",
            "layer_mix")
@@ -150,7 +153,8 @@ def inspect_parser() -> OneLineParser:
     parser.add_argument("--scheme", help=f"swap to this scheme first: {', '.join(SCHEMES)} (default: what the "
                                          "checkpoint carries)")
     parser.add_argument("--length", type=int, default=None,
-                        help=f"positions to draw (default: {INSPECT_LENGTH}, or a learned table's length when shorter)")
+                        help=f"positions to draw, 2 to {MAX_INSPECT_LENGTH} (default: {INSPECT_LENGTH}, or a learned "
+                             "table's length when shorter)")
     parser.add_argument("--output", default="inspect", help="directory for the PNG files")
     return parser
 

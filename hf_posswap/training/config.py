@@ -132,6 +132,12 @@ class FinetuneConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InvalidConfigError(f"FinetuneConfig.{name} must be a positive integer or None, got {value!r}.")
+        if self.warmup_steps > self.steps:
+            raise InvalidConfigError(
+                f"FinetuneConfig.warmup_steps {self.warmup_steps} is more than FinetuneConfig.steps {self.steps}: the "
+                f"learning rate would still be warming up when training ends and never reach lr={self.lr!r}; pass "
+                f"FinetuneConfig.warmup_steps {self.steps} or less, or more FinetuneConfig.steps."
+            )
         if self.pose_target is not None and self.seq_len < 2:
             raise InvalidConfigError(
                 "FinetuneConfig.pose_target needs FinetuneConfig.seq_len 2 or more (PoSE cuts each sequence into "

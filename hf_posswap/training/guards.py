@@ -151,10 +151,20 @@ class OutputLock:
     def __init__(self, output: Path) -> None:
         self.path = output / LOCK_FILE
         self.handle: Any = None
+        self.created_folders: list[Path] = []  # the folders create_folder made, outermost first
+        self.created_file = False
+
+    def create_folder(self) -> None:
+        """Make the output folder and its missing parents, remembering which ones this run made."""
+        folder = self.path.parent
+        missing = [path for path in (folder, *folder.parents) if not path.exists()]
+        folder.mkdir(parents=True, exist_ok=True)
+        self.created_folders = missing[::-1]
 
     def acquire(self) -> OutputLock:
         import fcntl
 
+        self.created_file = not self.path.exists()
         self.handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115  (held open for the whole run)
         try:
             fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -172,6 +182,20 @@ class OutputLock:
         self.handle.write(str(os.getpid()))
         self.handle.flush()
         return self
+
+    def discard_if_unused(self) -> None:
+        """Remove the lock file if this run created it, and the folders this run created if that leaves them empty,
+        so a run refused after loading its model leaves the file system as it found it. Called while the lock is
+        held: a run that opened the file meanwhile fails its ``flock`` instead of sharing a deleted one."""
+        if self.handle is None:
+            return
+        if self.created_file:
+            self.path.unlink(missing_ok=True)
+        for path in reversed(self.created_folders):  # innermost first; rmdir refuses a folder that is not empty
+            try:
+                path.rmdir()
+            except OSError:
+                break
 
     def release(self) -> None:
         if self.handle is not None:

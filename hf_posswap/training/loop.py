@@ -94,6 +94,9 @@ def _accelerated(config: FinetuneConfig, fsdp, deepspeed, documents: list[str], 
     try:
         with library_bars(config.progress and is_terminal(sys.stderr)):  # no loading / saving bars in a log
             return _run(config, accelerator, output, documents, objective)
+    except BaseException:
+        lock.discard_if_unused()  # a run refused after loading leaves no empty output folder behind
+        raise
     finally:
         lock.release()
 
@@ -102,11 +105,12 @@ def _own_output(output: Path, accelerator, config: FinetuneConfig) -> OutputLock
     """Create and lock ``output`` (main process), checking again under the lock; all processes wait for it."""
     lock = OutputLock(output)
     if accelerator.is_main_process:
-        output.mkdir(parents=True, exist_ok=True)
+        lock.create_folder()
         lock.acquire()
         try:
             check_output(config)  # again, under the lock: another run may have finished in between
         except BaseException:
+            lock.discard_if_unused()
             lock.release()
             raise
     accelerator.wait_for_everyone()

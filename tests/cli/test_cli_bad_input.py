@@ -186,6 +186,8 @@ BEFORE_LOADING = [
     ("export-output-not-empty", ["export", "{ws}/swapped", "{ws}/full_dir"], "'{ws}/full_dir' is not empty"),
     ("inspect-missing-model", ["inspect", "--model", "{ws}/nope"], "'{ws}/nope': no such directory"),
     ("inspect-length-1", ["inspect", "--model", "{ws}/gpt2", "--length", "1"], "--length 1"),
+    ("inspect-length-huge", ["inspect", "--model", "{ws}/llama", "--length", "1000000"],
+     "--length 1000000: the pictures draw at most 4096 positions"),
     ("inspect-unknown-scheme", ["inspect", "--model", "{ws}/gpt2", "--scheme", "rop"], "'rop'"),
     ("inspect-output-is-a-file", ["inspect", "--model", "{ws}/gpt2", "--output", "{ws}/notes.txt"],
      "'{ws}/notes.txt' is a file"),

@@ -37,6 +37,9 @@ no_model_loading = finetune_runs.no_model_loading
     (["--lr-schedule", "reduce_lr_on_plateau"], "lr_schedule 'reduce_lr_on_plateau' is not supported"),
     (["--weight-decay", "nan"], "weight_decay must be a finite number"),
     (["--lora", "--lora-dropout", "1"], "lora_dropout must be a finite number in [0, 1), got 1.0"),
+    (["--steps", "3", "--warmup-steps", "4"], "--warmup-steps 4 is more than --steps 3: the learning rate would "
+     "still be warming up when training ends and never reach lr=0.002; pass --warmup-steps 3 or less, or more "
+     "--steps."),
 ])
 def test_impossible_settings_are_refused_before_loading(workspace, tmp_path, capsys, no_model_loading, flags,
                                                         named) -> None:
@@ -88,9 +91,16 @@ def test_objective_against_the_model_is_checked_before_loading(workspace, tmp_pa
 ])
 def test_sequences_past_a_learned_table_are_refused_before_training(workspace, tmp_path, capsys, flags,
                                                                     named) -> None:
-    line = one_line_error(capsys, main(argv(workspace, tmp_path, *flags)))
+    line = one_line_error(capsys, main(argv(workspace, tmp_path / "runs" / "run", *flags)))
     assert named in line
-    assert not (tmp_path / "loss_log.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+    assert not (tmp_path / "runs").exists(), "a run refused after loading leaves no folder or lock file behind"
+
+
+def test_a_refused_run_keeps_an_existing_output_folder_as_it_was(workspace, tmp_path, capsys) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    line = one_line_error(capsys, main(argv(workspace, tmp_path, "--seq-len", "128")))
+    assert "--seq-len 128 is past the model's learned position table" in line
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt"]
 
 
 @pytest.mark.slow
