@@ -99,7 +99,22 @@ def swap(
     check_loaded(model)
     register_attention_functions()  # registered on first use: it imports transformers' modeling utilities
     adapter.prepare_checkpoints()
-    family_used(base_model_type(model.config))
+    family_used(base_model_type(model.config))  # runs the callbacks persistence.autoload registered for families
+    config = _requested_config(model, adapter, scheme, options, layers)
+    previous: SwapState | None = getattr(model, STATE_ATTR, None)
+    if previous is not None and not replace:
+        raise AlreadySwappedError(
+            f"This model already carries the '{previous.config.name}' scheme from hf_posswap. Call "
+            "hf_posswap.unswap(model) first, or swap(model, ..., replace=True) to replace it cleanly."
+        )
+    setattr(model, STATE_ATTR, _install_in_place_of(model, adapter, config, previous))
+    install_native_restorers(model)  # native weights a reloaded checkpoint never held stay flagged for unswap
+    return wrapper
+
+
+def _requested_config(model: nn.Module, adapter: FamilyAdapter, scheme: str | SchemeConfig, options: dict[str, Any],
+                      layers: Sequence[int] | None) -> SchemeConfig:
+    """The scheme config ``swap`` was asked for, checked against the model; changes nothing."""
     config = resolve_scheme(scheme, options)
     if layers is not None:
         config = mix_on_layers(model, adapter, config, layers)
@@ -107,27 +122,25 @@ def swap(
     if isinstance(config, LayerMix):
         config.check_layers(adapter.spec(model).num_layers)  # before unswapping an earlier swap
         config = own_theta_per_layer_type(model, config)  # Gemma 3: "its own θ" differs by layer type
-    previous: SwapState | None = getattr(model, STATE_ATTR, None)
-    if previous is not None and not replace:
-        raise AlreadySwappedError(
-            f"This model already carries the '{previous.config.name}' scheme from hf_posswap. Call "
-            "hf_posswap.unswap(model) first, or swap(model, ..., replace=True) to replace it cleanly."
-        )
+    return config
+
+
+def _install_in_place_of(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig,
+                         previous: SwapState | None) -> SwapState:
+    """Undo ``previous`` (an earlier swap, or None), then install ``config``; if anything after the undo fails,
+    the earlier swap is put back exactly as it was."""
     if previous is not None:
-        with warnings.catch_warnings():  # a re-created native table is flagged again below, when it matters
+        with warnings.catch_warnings():  # a re-created native table is flagged again by the caller, when it matters
             warnings.simplefilter("ignore", NativeWeightsMissingWarning)
             unswap(model)
-    config = with_own_scaling(model, adapter, config)  # read after unswapping: the model's own rope_parameters
     try:
-        state = _install(model, adapter, config)
+        config = with_own_scaling(model, adapter, config)  # read after unswapping: the model's own rope_parameters
+        return _install(model, adapter, config)
     except BaseException:
-        if previous is not None:  # put the earlier swap back exactly as it was
+        if previous is not None:
             apply_all(previous.edits)
             setattr(model, STATE_ATTR, previous)
         raise
-    setattr(model, STATE_ATTR, state)
-    install_native_restorers(model)  # native weights a reloaded checkpoint never held stay flagged for unswap
-    return wrapper
 
 
 def unswap(model: nn.Module) -> nn.Module:

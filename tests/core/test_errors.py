@@ -188,6 +188,22 @@ def test_a_failed_replace_keeps_the_earlier_swap(llama: torch.nn.Module) -> None
     assert ps.describe(llama).scheme == "alibi"
 
 
+def test_a_replace_refused_by_the_models_own_rope_scaling_keeps_the_earlier_swap() -> None:
+    """``swap(model, "rope")`` reads the model's own RoPE scaling, which only shows once the earlier swap is undone;
+    a scaling the RoPE config refuses must put the earlier swap back."""
+    from conftest import MODEL_CLASSES, tiny_config
+
+    config = tiny_config("llama")
+    config.rope_parameters = {**config.rope_parameters, "rope_type": "linear", "factor": 0.5}
+    model = MODEL_CLASSES["llama"](config).eval()
+    ps.swap(model, "alibi")
+    before = fingerprint(model)
+    with pytest.raises(ps.InvalidConfigError, match="factor"):
+        ps.swap(model, "rope", replace=True)
+    assert_untouched(model, before)
+    assert ps.describe(model).scheme == "alibi"
+
+
 @pytest.mark.parametrize("theta", [1e-300, 0.5, 1.0, 1e300])
 def test_degenerate_rope_theta_is_refused(theta: float) -> None:
     model = make_model("gpt2")
