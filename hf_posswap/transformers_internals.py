@@ -184,6 +184,11 @@ def set_attention_implementation(model: Any, name: str) -> None:
     model.set_attn_implementation(name)
 
 
+def set_config_attention(config: Any, name: str) -> None:
+    """Name the attention implementation a model built from ``config`` will run (before the model exists)."""
+    config._attn_implementation = name
+
+
 def register_attention(name: str, attention: Callable[..., Any], mask: str) -> None:
     """Register ``attention`` under ``name`` with the mask builder transformers uses for ``mask`` ("eager" or
     "sdpa"): a custom name gets no mask at all (padding silently ignored) unless one is registered with it."""
@@ -237,6 +242,32 @@ def check_interfaces() -> None:
         missing = [p for p in expected if p not in parameters]
         if missing:
             raise drift_error(f"{name} no longer takes {', '.join(missing)}.")
+
+
+# --- initialising weights and renaming checkpoint keys ----------------------------------------------------------
+
+#: the flag on a tensor that makes transformers' weight initialisation leave it alone
+INITIALISED_FLAG = "_is_hf_initialized"
+
+
+def init_weights(model: Any, module: Any) -> None:
+    """Fill ``module``'s tensors as ``model`` initialises new weights (``PreTrainedModel._init_weights``), skipping
+    tensors flagged with :data:`INITIALISED_FLAG`."""
+    model._init_weights(module)
+
+
+def share_checkpoint_renamings(model_class_name: str, model_type: str) -> None:
+    """Apply transformers' checkpoint key renamings for ``model_class_name`` (GPT-NeoX: ``embed_out`` ->
+    ``lm_head``) to checkpoints of ``model_type`` too; nothing when the class has none or ``model_type`` has its
+    own."""
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+
+    conversions = get_checkpoint_conversion_mapping(model_class_name)
+    if conversions and get_checkpoint_conversion_mapping(model_type) is None:
+        register_checkpoint_conversion_mapping(model_type, conversions)
 
 
 # --- config fields, RoPE and the Auto classes -------------------------------------------------------------------
@@ -297,6 +328,15 @@ def model_class_name(auto: Any, model_type: str) -> str | None:
             return None
     name = names.get(model_type)
     return name[0] if isinstance(name, (tuple, list)) else name
+
+
+def auto_model_class(auto: Any, config_class: type) -> type | None:
+    """The model class the Auto class ``auto`` builds for ``config_class`` (None: it has none); imports the
+    modeling file."""
+    try:
+        return auto._model_mapping[config_class]
+    except KeyError:
+        return None
 
 
 def causal_lm_class_names() -> dict[str, str]:

@@ -60,7 +60,8 @@ class ToyDecayBias(BiasPositions):
 
 @dataclass
 class ToyDecayConfig(SchemeConfig):
-    """A logit bias -rate_h * |i - j| per head h, rates learned from ``rate``.
+    """A logit bias -rate_h * |i - j| per head h, rates learned from ``rate`` (ALiBi's form, Press et al. 2022,
+    "Train Short, Test Long", with the slopes learned per head).
 
     Args:
         rate: the starting rate of every head (> 0).

@@ -109,6 +109,32 @@ def test_no_import_loops() -> None:
             visit(module)
 
 
+#: transformers' private names hf_posswap relies on; only transformers_internals.py may spell them
+PRIVATE_TRANSFORMERS_NAMES = re.compile(r"\._init_weights\b|_is_hf_initialized|\._attn_implementation\b|"
+                                        r"_model_mapping|_extra_content")
+#: transformers submodules any module may import (public API)
+PUBLIC_SUBMODULES = {"transformers.utils"}
+
+
+def test_transformers_internals_are_reached_only_through_one_module() -> None:
+    """A release that renames an internal is then a change to transformers_internals.py alone (docs/guarantees.md):
+    no other module imports a transformers submodule or spells one of its private names."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "transformers_internals.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("transformers."):
+                if node.module not in PUBLIC_SUBMODULES:
+                    found.append(f"{module_name(path)} imports {node.module}")
+            elif isinstance(node, ast.Import):
+                found += [f"{module_name(path)} imports {alias.name}" for alias in node.names
+                          if alias.name.startswith("transformers.")]
+        found += [f"{module_name(path)} spells {match.group()}" for match in PRIVATE_TRANSFORMERS_NAMES.finditer(text)]
+    assert not found
+
+
 def test_version_matches_pyproject() -> None:
     pyproject = (PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8")
     assert re.search(r'^version = "([^"]+)"', pyproject, re.MULTILINE).group(1) == hf_posswap.__version__

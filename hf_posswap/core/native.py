@@ -20,6 +20,7 @@ from torch import nn
 from ..edits import Edit
 from ..errors import InvalidConfigError, NotSwappedError, PosSwapError
 from ..schemes.base import FRESH_MARK, NativeWeightsMissingWarning
+from ..transformers_internals import INITIALISED_FLAG, init_weights
 from .state import MODEL_TYPE_PREFIX, swap_state
 
 
@@ -95,7 +96,7 @@ def _qualified_name(model: nn.Module, owner: Any, attr: str) -> str:
 
 
 def rebuild_native(model: nn.Module, owner: Any, attr: str, old: Any) -> Any:
-    """A real value for a meta module or tensor, initialised by ``model._init_weights`` as transformers would."""
+    """A real value for a meta module or tensor, initialised as transformers initialises new weights."""
     from ..families.base import parameter_dtype_device
 
     dtype, device = parameter_dtype_device(model)
@@ -111,7 +112,7 @@ def rebuild_native(model: nn.Module, owner: Any, attr: str, old: Any) -> Any:
         for tensor in tensors:
             _fill_sentinel(tensor)
         for module in old.modules():
-            model._init_weights(module)
+            init_weights(model, module)
     _check_filled(tensors, attr)
     parameters = list(old.parameters())
     if parameters:
@@ -127,17 +128,17 @@ def _rebuild_tensor(model: nn.Module, owner: Any, attr: str, old: torch.Tensor, 
     fresh = torch.empty(old.shape, dtype=old.dtype, device=device)
     current = getattr(owner, attr)
     others = [t for t in (*owner.parameters(recurse=False), *owner.buffers(recurse=False)) if t is not current]
-    flagged = [t for t in others if not getattr(t, "_is_hf_initialized", False)]
+    flagged = [t for t in others if not getattr(t, INITIALISED_FLAG, False)]
     setattr(owner, attr, fresh)
     try:
         for tensor in flagged:
-            tensor._is_hf_initialized = True
+            setattr(tensor, INITIALISED_FLAG, True)
         with torch.no_grad():
             _fill_sentinel(fresh)
-            model._init_weights(owner)
+            init_weights(model, owner)
     finally:
         for tensor in flagged:
-            del tensor._is_hf_initialized
+            delattr(tensor, INITIALISED_FLAG)
         setattr(owner, attr, current)
     _check_filled([fresh], attr)
     return fresh

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..edits import Edit
 from ..schemes.rope import RopeConfig
-from ..transformers_internals import config_rope_parameters
+from ..transformers_internals import config_rope_parameters, share_checkpoint_renamings
 from .base import FamilyAdapter, native_partial_rope_edits, register_family
 
 #: model_type of a non-native swapped GPT-NeoX checkpoint (``hf_posswap.core.state.MODEL_TYPE_PREFIX`` + gpt_neox)
@@ -28,14 +28,7 @@ SWAPPED_MODEL_TYPE = "hf_posswap_gpt_neox"
 def _share_head_renaming() -> None:
     """Register transformers' own GPT-NeoX checkpoint renamings (``embed_out`` -> ``lm_head``) for swapped
     checkpoints too (idempotent)."""
-    from transformers.conversion_mapping import (
-        get_checkpoint_conversion_mapping,
-        register_checkpoint_conversion_mapping,
-    )
-
-    conversions = get_checkpoint_conversion_mapping("GPTNeoXForCausalLM")
-    if conversions and get_checkpoint_conversion_mapping(SWAPPED_MODEL_TYPE) is None:
-        register_checkpoint_conversion_mapping(SWAPPED_MODEL_TYPE, conversions)
+    share_checkpoint_renamings("GPTNeoXForCausalLM", SWAPPED_MODEL_TYPE)
 
 
 @register_family
@@ -46,9 +39,10 @@ class GPTNeoXAdapter(FamilyAdapter):
     lora_target_modules = ("query_key_value", "dense")
     rotary_module_path = "rotary_emb"
 
+    native_rope_support = "native: config.rope_parameters, partial too"
+
     def prepare_checkpoints(self) -> None:
         _share_head_renaming()
-    native_rope_support = "native: config.rope_parameters, partial too"
 
     def native_rope_edits(self, model: nn.Module, config: RopeConfig) -> list[Edit] | None:
         return native_partial_rope_edits(model, self.base_model(model), config, self.spec(model).head_dim)

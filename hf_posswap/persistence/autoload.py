@@ -31,7 +31,13 @@ from transformers import (
 
 from ..core.state import MODEL_TYPE_PREFIX, base_model_type, check_record, posswap_config_class  # noqa: F401
 from ..errors import InvalidConfigError
-from ..transformers_internals import config_class_name, config_mapping, model_class_name, register_config_lazily
+from ..transformers_internals import (
+    auto_model_class,
+    config_class_name,
+    config_mapping,
+    model_class_name,
+    register_config_lazily,
+)
 
 AUTO_CLASSES = (
     AutoModel,
@@ -131,7 +137,7 @@ class LazyModelClass:
         from ..families.base import FAMILY_REGISTRY
 
         FAMILY_REGISTRY.get(self._family).prepare_checkpoints()
-        return posswap_model_class(self._auto._model_mapping[self._base_config])
+        return posswap_model_class(auto_model_class(self._auto, self._base_config))
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") and name not in ("__name__", "__qualname__", "__module__", "__doc__"):

@@ -83,7 +83,7 @@ def export_standalone(
 
 def _write_remote_code(model: nn.Module, staging: Path) -> None:
     """``modeling_posswap.py`` and config.json's ``auto_map`` pointing at its classes."""
-    from ..transformers_internals import config_mapping
+    from ..transformers_internals import auto_model_class, config_mapping
     from .autoload import AUTO_CLASSES
 
     family_type = getattr(model.config, "posswap_base_model_type", model.config.model_type)
@@ -93,9 +93,8 @@ def _write_remote_code(model: nn.Module, staging: Path) -> None:
     lines.append(f"PosSwapConfig = posswap_config_class(_transformers.{base_config.__name__})\n")
     auto_map = {"AutoConfig": f"{REMOTE_FILE[:-3]}.PosSwapConfig"}
     for auto in AUTO_CLASSES:
-        try:
-            base_model = auto._model_mapping[base_config]
-        except KeyError:
+        base_model = auto_model_class(auto, base_config)
+        if base_model is None:
             continue
         class_name = f"PosSwap{base_model.__name__}"
         lines.append(f"{class_name} = posswap_model_class(_transformers.{base_model.__name__})\n")

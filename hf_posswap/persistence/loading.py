@@ -276,7 +276,7 @@ def _auto_class(source: ModelSource, task: str) -> type:
     """AutoModelForCausalLM for ``causal``; else the Auto class whose model is the saved architecture."""
     from transformers import AutoModelForCausalLM
 
-    from ..transformers_internals import config_mapping
+    from ..transformers_internals import auto_model_class, config_mapping
     from .autoload import AUTO_CLASSES
 
     if task == "causal":
@@ -284,14 +284,11 @@ def _auto_class(source: ModelSource, task: str) -> type:
     config_class = config_mapping()[source.config["model_type"]]
     architecture = (source.config.get("architectures") or [""])[0].removeprefix("PosSwap")
     for auto in AUTO_CLASSES:
-        try:
-            model_class = auto._model_mapping[config_class]
-        except KeyError:
-            continue
-        if model_class.__name__.removeprefix("PosSwap") == architecture:
+        model_class = auto_model_class(auto, config_class)
+        if model_class is not None and model_class.__name__.removeprefix("PosSwap") == architecture:
             return auto
     # loading it as another class (AutoModel's bare model, say) would silently drop its head's weights
-    classes = (auto._model_mapping.get(config_class, None) for auto in AUTO_CLASSES)
+    classes = (auto_model_class(auto, config_class) for auto in AUTO_CLASSES)
     known = ", ".join(sorted({model_class.__name__ for model_class in classes if model_class is not None}))
     if not architecture:
         raise CheckpointError(

@@ -31,7 +31,7 @@ from ..schemes.base import SchemeConfig
 from ..schemes.nope import NoPEConfig
 from ..schemes.rope import RopeConfig
 from ..schemes.two_pass import SelfExtend
-from ..transformers_internals import attention_implementation, config_rope_parameters
+from ..transformers_internals import attention_implementation, config_rope_parameters, set_config_attention
 
 TARGET = "smollm3"
 #: keys of a LLaMA config that a SmolLM3 config does not take (``pretraining_tp`` is unused by 5.x's LLaMA)
@@ -211,7 +211,7 @@ def to_smollm3(model: nn.Module) -> nn.Module:
 
 def _share_weights(model: nn.Module, target: type, config: Any) -> nn.Module:
     """Build ``target`` on the meta device and hand it ``model``'s tensors; the rotary module is built for real."""
-    config._attn_implementation = _plain_attention(attention_implementation(model.config))
+    set_config_attention(config, _plain_attention(attention_implementation(model.config)))
     with torch.device("meta"):
         converted = target(config)
     weights = model.state_dict()

@@ -1,4 +1,6 @@
-"""Findings of a newcomer's walk through the README and the CLI: each fixed, each checked here."""
+"""The CLI on checkpoints that carry an earlier swap or extension: `eval --mode tail` reads the length the model was
+trained at (not the extended one), `swap` warns what it replaces, `inspect` says when a scheme has nothing to draw;
+and the option spellings the README uses (Python's True / False / None) are accepted."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from hf_posswap.training.config import parse_options
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("walk")
+    root = tmp_path_factory.mktemp("checkpoints")
     for family in ("gpt2", "llama"):
         save_tiny_checkpoint(family, root / family)
     return root

@@ -158,7 +158,7 @@ def test_swap_and_unswap_through_a_peft_wrapper(family: str) -> None:
 @pytest.mark.parametrize(("family", "scheme"), [("llama", "alibi"), ("llama", "sinusoidal"), ("gpt2", "t5")])
 def test_removing_an_accelerate_hook_added_before_the_swap_keeps_the_scheme(family: str, scheme: str) -> None:
     """accelerate's remove_hook_from_module puts back the forward it saved when hooking: the swap must survive it
-    (it used to run the model with no positions at all, native or swapped, without a word)."""
+    (losing it would run the model with no positions at all, native or swapped, without a word)."""
     from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 
     model, expected = make_model(family), swapped(family, scheme)

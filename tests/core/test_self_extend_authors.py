@@ -243,7 +243,7 @@ def swap_settings(model: nn.Module):
 @pytest.mark.slow
 def test_self_extend_left_padded_row_equals_the_row_alone(family: str) -> None:
     """Self-Extend groups positions as floor(pos / G): a left-padded row must group its own positions, not its
-    padded token indices (it used to differ from the row run alone, in forward and in generate)."""
+    padded token indices (grouping the indices would differ from the row run alone, in forward and in generate)."""
     model = make_model(family)
     if family == "gpt2":
         ps.swap(model, "rope")

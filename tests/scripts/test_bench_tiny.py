@@ -224,7 +224,7 @@ def fake_worker(settings, task, device, probe_every, state_dir, threads=None, te
 
 @pytest.mark.slow  # starts a pool of worker processes
 def test_bench_tiny_a_failed_run_in_a_pool_keeps_the_others_results(tmp_path) -> None:
-    """One failing task used to let the others run on, then throw every result away (nothing in partial.json)."""
+    """One failing task stops the run but keeps the results the others finished (in partial.json)."""
     settings = bench_tiny.Settings(length=16, factors=(1,), seeds=(0, 1))
     with pytest.raises(bench_tiny.TrainingFailed, match="learned seed 0: deliberate failure"):
         bench_tiny.run(settings, ("learned", "alibi"), (), lambda line: None, tmp_path / "partial.json", "cpu", 2,
