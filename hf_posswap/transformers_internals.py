@@ -11,7 +11,7 @@ old name saw no cache and computed wrong logits without a word). So:
   parameters it passes; a release that changed one gets a :class:`TransformersDriftError` naming the release, what
   changed and the newest tested release, never a silent fallback;
 - a release newer than :data:`NEWEST_TESTED` gets one warning naming the tested window (:func:`warn_if_untested`);
-- the position hook checks at run time that it saw the KV cache the model used and that the position context
+- the position wrapper checks at run time that it saw the KV cache the model used and that the position context
   reached attention (:mod:`hf_posswap.core.context`), so drift this file cannot foresee raises too.
 
 ``hf-posswap doctor`` (:func:`hf_posswap.self_check`) runs the guarantees end to end in the user's environment.

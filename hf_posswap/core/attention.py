@@ -2,7 +2,7 @@
 
 Registered through transformers' own extension points (``AttentionInterface`` and ``AttentionMaskInterface``) as
 ``posswap_eager`` and ``posswap_sdpa``; ``swap`` selects one with ``model.set_attn_implementation``. Both read the
-:class:`~hf_posswap.core.context.PositionContext` passed down by the position hook, then:
+:class:`~hf_posswap.core.context.PositionContext` passed down by the position wrapper, then:
 
 - rotary schemes rotate q and k by their positions; keys held by a KV cache are rotated once, where they enter it
   (:mod:`~hf_posswap.core.rotary_cache`), so a decode step rotates only the new tokens;
@@ -346,7 +346,7 @@ def _carrier(inner: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], fus
 
 def _refuse_unseen_cache(module: nn.Module, query: torch.Tensor, key: torch.Tensor, context: PositionContext) -> None:
     """More keys [B, Hkv, kv, D] than queries in a self-attention call of a forward that saw no KV cache: the
-    model keeps a cache the position hook could not find, so every distance would be measured from position 0."""
+    model keeps a cache the position wrapper could not find, so every distance would be measured from position 0."""
     if context.cache is None and key.shape[2] > query.shape[2] and context.is_self_attention(module):
         raise drift_error(
             f"an attention layer received {key.shape[2]} keys for {query.shape[2]} queries, so the model used a KV "

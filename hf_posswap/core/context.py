@@ -168,7 +168,7 @@ def _read_parameter_names(forward: Callable[..., Any]) -> tuple[str, ...]:
 _cached_parameter_names = functools.cache(_read_parameter_names)
 
 
-class PositionHook:
+class PositionInputs:
     """Prepares the base model's forward kwargs for a swapped scheme (called by :class:`PositionForward`)."""
 
     def __init__(
@@ -219,7 +219,7 @@ class PositionHook:
             _refuse_foreign_rotation_per_layer(cache, positions, self.layers)
         self.adapter.prepare_inputs(base, kwargs, query_offset)
         if self.adds_absolute and positions is not None:
-            self._add_absolute(base, positions, kwargs, query_offset, self.combine, self.adapter)
+            self._add_absolute(base, positions, kwargs, query_offset)
         context = None
         if self.feeds_attention:
             context = self._context(positions, kwargs, query_offset, cache, shard)
@@ -259,28 +259,20 @@ class PositionHook:
                 "hf_posswap.unswap(model) to go back to the native positions."
             )
 
-    @staticmethod
-    def _add_absolute(
-        base: nn.Module,
-        positions: nn.Module,
-        kwargs: dict[str, Any],
-        query_offset: int,
-        combine: str = "add",
-        adapter: FamilyAdapter | None = None,
-    ) -> None:
+    def _add_absolute(self, base: nn.Module, positions: nn.Module, kwargs: dict[str, Any], query_offset: int) -> None:
         """inputs_embeds [B, L, hidden] += positions(position_ids) for families without an absolute table slot; with
         ``combine="concat"`` the module is called as ``positions(position_ids, embeds)`` and returns the new
         embeddings [B, L, hidden] (it concatenates and projects back)."""
         position_ids = kwargs.get("position_ids")
-        if position_ids is None and adapter is not None:  # the family's own numbering (RoBERTa: from padding_idx + 1)
-            position_ids = adapter.absolute_position_ids(base, kwargs, query_offset)
+        if position_ids is None:  # the family's own numbering (RoBERTa: from padding_idx + 1)
+            position_ids = self.adapter.absolute_position_ids(base, kwargs, query_offset)
         embeds = kwargs.get("inputs_embeds")
         if embeds is None:
             embeds = base.get_input_embeddings()(kwargs["input_ids"])
             kwargs["input_ids"] = None
         if position_ids is None:
             position_ids = default_position_ids(embeds.shape[1], query_offset, embeds.device)
-        if combine == "concat":
+        if self.combine == "concat":
             kwargs["inputs_embeds"] = positions(position_ids, embeds)
             return
         kwargs["inputs_embeds"] = embeds + positions(position_ids).to(embeds.dtype)
@@ -314,13 +306,13 @@ def _new_tokens(kwargs: dict[str, Any]) -> int | None:
 
 @dataclass(frozen=True)
 class ForwardCheck:
-    """What the position hook assumed about one forward, checked against what the model then did.
+    """What the position wrapper assumed about one forward, checked against what the model then did.
 
-    The hook places new tokens after the KV cache it finds among the forward's arguments, and passes the position
+    The wrapper places new tokens after the KV cache it finds among the forward's arguments, and passes the position
     context to attention through transformers' keyword forwarding. A transformers release that renames the cache
     argument, or stops forwarding keywords, would break either assumption without an error (wrong logits), so
     both are checked after every forward: a model that returns a cache holding more tokens than this forward
-    added used a cache the hook did not see, and a context no attention call read was never applied.
+    added used a cache the wrapper did not see, and a context no attention call read was never applied.
     """
 
     cache_seen: bool
@@ -346,16 +338,16 @@ class ForwardCheck:
 
 
 class PositionForward:
-    """Stands in for ``base.forward`` on one model instance: prepares the kwargs with ``hook``, then runs the
+    """Stands in for ``base.forward`` on one model instance: prepares the kwargs with ``inputs``, then runs the
     forward that was there before (the class's own ``forward``, or another library's wrapper of it).
 
     ``inspect.signature`` sees the wrapped forward's signature (through ``__wrapped__``), so clients that choose
     their keyword arguments from it (sentence-transformers, ``Trainer``) keep working.
     """
 
-    def __init__(self, base: nn.Module, hook: PositionHook, previous: Callable[..., Any] | None) -> None:
+    def __init__(self, base: nn.Module, inputs: PositionInputs, previous: Callable[..., Any] | None) -> None:
         self.base = base
-        self.hook = hook
+        self.inputs = inputs
         #: the instance-level forward another library had installed (None: the class's own forward)
         self.previous = previous
         #: False once the swap is undone while another wrapper still holds this one (it then passes through)
@@ -369,7 +361,7 @@ class PositionForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active:
             return self._forward(args, kwargs)
-        args, kwargs, check = self.hook(self.base, args, kwargs)
+        args, kwargs, check = self.inputs(self.base, args, kwargs)
         outputs = self._forward(args, kwargs)
         check.verify(outputs)
         return outputs

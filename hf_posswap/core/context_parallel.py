@@ -6,7 +6,7 @@ position scheme applied from global positions.
 ...     logits = model(input_ids=my_shard, attention_mask=my_mask_shard).logits  # rank r holds tokens of shard r
 
 Rank r passes its shard (ranks in order hold consecutive pieces of the sequence; shards may differ in length). The
-position hook gives the shard its global positions: the ``position_ids`` of its shard when the ranks pass them (the
+position wrapper gives the shard its global positions: the ``position_ids`` of its shard when the ranks pass them (the
 slice of the whole sequence's position ids, e.g. PoSE's gapped ones; every rank or none), else offset (the lengths of
 the shards before it) + index. Every self-attention call runs :func:`ring_attention`: each rank keeps its queries,
 keys/values travel around the ring, each (query shard, key shard) pair is attended with the scheme from the global
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import InvalidConfigError
-from .context import PositionContext, PositionForward, PositionHook
+from .context import PositionContext, PositionForward, PositionInputs
 from .paths import RING, RING_FUSED, note_path
 from .ring_function import RingAttention, RingPlan, fused_applies
 from .ring_math import KeyBlock, QueryBlock
@@ -93,7 +93,7 @@ class RingShard:
 
 
 class RingGroup:
-    """Set on the position hook by :func:`context_parallel`: turns each forward's local inputs into a
+    """Set on the position wrapper by :func:`context_parallel`: turns each forward's local inputs into a
     :class:`RingShard` (one all-gather of the shard lengths, and of the 2-D padding mask when there is one)."""
 
     def __init__(self, group: Any = None) -> None:
@@ -171,46 +171,47 @@ def _all_gather_object(item: Any, world: int, group: Any) -> list[Any]:
 def context_parallel(model: nn.Module, group: Any = None) -> Iterator[nn.Module]:
     """Within the block, forwards of ``model`` (swapped by hf_posswap, sdpa or eager carrier) take this rank's shard
     of a sequence split across ``group`` (default: the world) and run attention as a ring over the group."""
-    hooks = _position_hooks(model)
-    if not hooks:
+    position_inputs = _position_inputs(model)
+    if not position_inputs:
         raise InvalidConfigError(
-            f"{type(model).__name__} has no hf_posswap position hook: it is not swapped, or its swap is native "
+            f"{type(model).__name__} has no hf_posswap position wrapper: it is not swapped, or its swap is native "
             "transformers (RoPE on a LLaMA-like model), whose sdpa attention "
             "torch.distributed.tensor.experimental.context_parallel shards directly."
         )
-    _refuse_attention_left_to_transformers(hooks)
+    _refuse_attention_left_to_transformers(position_inputs)
     ring = RingGroup(group)
-    for hook in hooks:
-        hook.ring = ring
+    for inputs in position_inputs:
+        inputs.ring = ring
     try:
         yield model
     finally:
-        for hook in hooks:
-            hook.ring = None
+        for inputs in position_inputs:
+            inputs.ring = None
 
 
-def _refuse_attention_left_to_transformers(hooks: list[PositionHook]) -> None:
+def _refuse_attention_left_to_transformers(position_inputs: list[PositionInputs]) -> None:
     """A scheme with nothing inside attention (absolute vectors, NoPE) leaves attention to transformers' own
     implementation, which no ring replaces: each rank would attend within its own shard only."""
-    for hook in hooks:
-        if not hook.feeds_attention:
+    for inputs in position_inputs:
+        if not inputs.feeds_attention:
             raise InvalidConfigError(
                 f"context_parallel runs attention as a ring through hf_posswap's attention function, and this model's "
-                f"scheme (kind '{hook.kind}') leaves attention to transformers' own, so each rank would attend within "
-                "its own shard only. Use torch.distributed.tensor.experimental.context_parallel for its sdpa attention "
-                "(pass every rank the position_ids of its shard), or swap a scheme that works inside attention."
+                f"scheme (kind '{inputs.kind}') leaves attention to transformers' own, so each rank would attend "
+                "within its own shard only. Use torch.distributed.tensor.experimental.context_parallel for its sdpa "
+                "attention (pass every rank the position_ids of its shard), or swap a scheme that works inside "
+                "attention."
             )
 
 
-def _position_hooks(model: nn.Module) -> list[PositionHook]:
-    """The position hooks of the swapped base models inside ``model`` (through other libraries' wrappers)."""
+def _position_inputs(model: nn.Module) -> list[PositionInputs]:
+    """The PositionInputs of the swapped base models inside ``model`` (found through other libraries' wrappers)."""
     found = []
     for module in model.modules():
         forward = module.__dict__.get("forward")
         while forward is not None and not isinstance(forward, PositionForward):
             forward = getattr(forward, "__wrapped__", None)
         if forward is not None:
-            found.append(forward.hook)
+            found.append(forward.inputs)
     return found
 
 

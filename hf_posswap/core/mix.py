@@ -1,4 +1,4 @@
-"""Runtime glue of a layer mix (:class:`~hf_posswap.schemes.mix.LayerMix`): the per-layer plan the position hook
+"""Runtime glue of a layer mix (:class:`~hf_posswap.schemes.mix.LayerMix`): the per-layer plan the position wrapper
 hands to attention, the ``swap(model, scheme, layers=[...])`` shorthand, and the RoPE parts ``extend_context``
 scales.
 

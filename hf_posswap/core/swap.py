@@ -31,7 +31,7 @@ from ..schemes.rope import RopeConfig
 from ..schemes.two_pass import SelfExtend, TwoPassSettings
 from ..transformers_internals import attention_implementation
 from .attention import CARRIERS, register_attention_functions
-from .context import POSITIONS_ATTR, PositionForward, PositionHook
+from .context import POSITIONS_ATTR, PositionForward, PositionInputs
 from .mix import as_layer_mix, layer_plan, mix_on_layers, own_theta_per_layer_type, with_own_scaling
 from .native import check_loaded, install_native_restorers, unwrap_peft
 from .state import (
@@ -215,7 +215,7 @@ def _scheme_edits(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig
     module = config.build(spec)
     if module is not None:
         module = module.to(device=spec.device)
-    combine = getattr(config, "combine", "add")  # "concat" widens the embeddings: done by the hook, not the slot
+    combine = getattr(config, "combine", "add")  # "concat" widens the embeddings: done by the wrapper, not the slot
     slot = adapter.absolute_slot(base) if combine == "add" else None
     edits: list[Edit] = []
     if config.kind == "absolute" and slot is not None:
@@ -229,7 +229,7 @@ def _scheme_edits(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig
             edits.append(SetAttribute(base, POSITIONS_ATTR, lambda: module, where=where))
     if in_attention:
         edits.append(SetAttentionImplementation(model, CARRIERS[attention_implementation(model.config)]))
-    hook = PositionHook(
+    inputs = PositionInputs(
         adapter,
         config.kind,
         adds_absolute=config.kind == "absolute" and slot is None,
@@ -239,7 +239,7 @@ def _scheme_edits(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig
         two_pass=_two_pass_settings(config),
         carriers=CARRIERS,
     )
-    return [*edits, _wrap_forward_edit(base, hook)]
+    return [*edits, _wrap_forward_edit(base, inputs)]
 
 
 def _mix_edits(model: nn.Module, adapter: FamilyAdapter, config: LayerMix, spec: ModelSpec) -> list[Edit]:
@@ -250,21 +250,21 @@ def _mix_edits(model: nn.Module, adapter: FamilyAdapter, config: LayerMix, spec:
     module = config.build(spec).to(device=spec.device)
     base = adapter.base_model(model)
     where = f"{POSITIONS_ATTR} <- {_short(module)} (layers per scheme: see 'layers' above)"
-    hook = PositionHook(adapter, "mix", adds_absolute=False, feeds_attention=True, layer_shared=False,
+    inputs = PositionInputs(adapter, "mix", adds_absolute=False, feeds_attention=True, layer_shared=False,
                         carriers=CARRIERS, layers=plan)
     return [
         *adapter.removal_edits(model, spec),
         SetAttribute(base, POSITIONS_ATTR, lambda: module, where=where),
         SetAttentionImplementation(model, CARRIERS[attention_implementation(model.config)]),
-        _wrap_forward_edit(base, hook),
+        _wrap_forward_edit(base, inputs),
     ]
 
 
-def _wrap_forward_edit(base: nn.Module, hook: PositionHook) -> Edit:
+def _wrap_forward_edit(base: nn.Module, inputs: PositionInputs) -> Edit:
     """The base model's ``forward`` wrapped on the instance, so every call path builds the position context."""
     return WrapForward(
         base,
-        lambda previous: PositionForward(base, hook, previous),
+        lambda previous: PositionForward(base, inputs, previous),
         where=f"{type(base).__name__}.forward wrapped (position context for every call path)",
     )
 

@@ -43,7 +43,8 @@ class FamilyAdapter:
 
     # --- structure --------------------------------------------------------------------------------------------
     def base_model(self, model: nn.Module) -> nn.Module:
-        """The transformer body (``GPT2Model``, ``BertModel``, ``LlamaModel``) whose forward gets the position hook."""
+        """The transformer body (``GPT2Model``, ``BertModel``, ``LlamaModel``) whose forward the position wrapper
+        stands in for."""
         return getattr(model, "base_model", model)
 
     def absolute_slot(self, base: nn.Module) -> tuple[nn.Module, str] | None:
@@ -134,12 +135,12 @@ class FamilyAdapter:
         ]
 
     def absolute_position_ids(self, base: nn.Module, kwargs: dict[str, Any], query_offset: int) -> torch.Tensor | None:
-        """Position ids [B or 1, L] for absolute vectors the hook adds itself (no table slot, or ``combine="concat"``)
-        when the caller passed none; ``None``: the default ``offset .. offset + L - 1``."""
+        """Position ids [B or 1, L] for absolute vectors the position wrapper adds itself (no table slot, or
+        ``combine="concat"``) when the caller passed none; ``None``: the default ``offset .. offset + L - 1``."""
         return None
 
     def prepare_inputs(self, base: nn.Module, kwargs: dict[str, Any], query_offset: int) -> None:
-        """Family fix-ups to the base model's forward kwargs, run by the position hook before every forward."""
+        """Family fix-ups to the base model's forward kwargs, run by the position wrapper before every forward."""
 
     def describe_native(self, model: nn.Module) -> str:
         return self.native_positions

@@ -1,5 +1,5 @@
 """BERT: a learned absolute table at ``embeddings.position_embeddings``. BERT passes ``position_ids=None`` into
-attention and gathers its ``token_type_ids`` buffer by position, so the position hook supplies explicit position
+attention and gathers its ``token_type_ids`` buffer by position, so the position wrapper supplies explicit position
 and token-type ids: inputs longer than ``max_position_embeddings`` then run for schemes without a length limit."""
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ position), with RoBERTa's position numbering: a token's position id is ``padding
 non-padding tokens of its row (built from ``input_ids``, so padding is skipped; ``padding_idx = pad_token_id``), and
 the table has ``padding_idx + 1`` more rows than the model's context (514 for 512 tokens).
 
-The hook leaves ``position_ids`` to RoBERTa's own embeddings, so the table slot (the kept learned table or a new
-absolute scheme) sees RoBERTa's numbering, exactly as the native model does; explicit ``position_ids`` are table
+The position wrapper leaves ``position_ids`` to RoBERTa's own embeddings, so the table slot (the kept learned table or
+a new absolute scheme) sees RoBERTa's numbering, exactly as the native model does; explicit ``position_ids`` are table
 indices, as in transformers. In-attention schemes use token indices and the mask (only distances matter to them).
 ``token_type_ids`` are supplied as zeros (what the buffer holds), so inputs past the table run for schemes without
 a length limit.
@@ -36,9 +36,9 @@ class RobertaAdapter(BertAdapter):
         kwargs["token_type_ids"] = torch.zeros(shape, dtype=torch.long, device=reference.device)
 
     def absolute_position_ids(self, base: nn.Module, kwargs: dict[str, Any], query_offset: int) -> torch.Tensor | None:
-        """RoBERTa's numbering for vectors the hook adds (``combine="concat"``), as ``RobertaEmbeddings`` builds it:
-        from input ids, ``padding_idx + 1 + (index among the row's non-padding tokens)``, padding at ``padding_idx``;
-        from embeddings alone, ``padding_idx + 1 ..``."""
+        """RoBERTa's numbering for vectors the position wrapper adds (``combine="concat"``), as ``RobertaEmbeddings``
+        builds it: from input ids, ``padding_idx + 1 + (index among the row's non-padding tokens)``, padding at
+        ``padding_idx``; from embeddings alone, ``padding_idx + 1 ..``."""
         padding_idx = base.config.pad_token_id
         input_ids = kwargs.get("input_ids")
         if input_ids is not None:

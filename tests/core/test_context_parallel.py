@@ -283,7 +283,7 @@ def test_gapped_position_ids_without_a_mask_are_refused_in_a_causal_model(
 
 
 def test_a_model_without_a_position_hook_is_refused() -> None:
-    with pytest.raises(ps.InvalidConfigError, match="no hf_posswap position hook"):
+    with pytest.raises(ps.InvalidConfigError, match="no hf_posswap position wrapper"):
         with ps.context_parallel(make_model("llama")):
             pass
 
@@ -311,8 +311,8 @@ def test_an_unhandled_scheme_kind_is_named() -> None:
 def test_the_hook_is_removed_after_the_block() -> None:
     model = swapped("bert", "alibi")
     with ps.context_parallel(model, group=object()):
-        assert model.base_model.forward.hook.ring is not None
-    assert model.base_model.forward.hook.ring is None
+        assert model.base_model.forward.inputs.ring is not None
+    assert model.base_model.forward.inputs.ring is None
 
 
 # ---- several processes ------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """When transformers' internals move, hf_posswap raises instead of computing wrong numbers.
 
 Each test simulates one kind of drift the way a release would bring it (the KV cache passed under a keyword the
-library does not know, as 5.24 renamed ``past_key_values`` to ``cache``; a cache the position hook cannot see at
+library does not know, as 5.24 renamed ``past_key_values`` to ``cache``; a cache the position wrapper cannot see at
 all; keyword arguments no longer forwarded to attention; a changed function signature; a release outside the tested
 window) and checks that the user gets an error naming the release and the tested window, not wrong logits. One test
 shows what the guards prevent: with them switched off, the same blind hook decodes wrong without a word.
@@ -49,7 +49,7 @@ def step_scores(model, use_cache: bool) -> torch.Tensor:
 
 
 def blind_hook(monkeypatch) -> None:
-    """The position hook finds no KV cache at all (as when a release moves it where no keyword shows it)."""
+    """The position wrapper finds no KV cache at all (as when a release moves it where no keyword shows it)."""
     monkeypatch.setattr(context_module, "find_cache", lambda kwargs, where="": None)
 
 

@@ -1,6 +1,6 @@
 """``hf_posswap.self_check()`` and ``hf-posswap doctor``: pass on a sound installation, fail loudly on a broken one.
 
-The broken builds are simulated the way a transformers release breaks a plugin: the position hook no longer finds
+The broken builds are simulated the way a transformers release breaks a plugin: the position wrapper no longer finds
 the KV cache (with the library's own drift guards on, the checks fail with their error; with them off, they fail on
 the numbers alone), so the self-check catches what the guards catch and what they would miss.
 """
