@@ -80,7 +80,12 @@ class PositionContext:
     layer_shared: bool = True
     #: the two-pass attention settings (group, window, start) of Self-Extend and ReRoPE; None without them
     two_pass: TwoPassSettings | None = None
-    #: per-forward memo for gradient-free intermediates shared across layers (bucket ids, merged masks)
+    #: what one forward computes once and every layer reuses (gradient-free: positions, bucket ids, merged masks,
+    #: rotation matrices, block masks). Keys are tuples whose first item names what is kept and who keeps it
+    #: ("positions", "layer-context", "part-memo" here; "t5-buckets", "t5-fused-*", "alibi-*" in the schemes;
+    #: "rope-*" in rotary_cache.py, "flex-*" in flex_bias.py, "self-extend-*", "ring-*", "mask" in core) and
+    #: whose other items are what it depends on. A key may hold id(tensor) of a tensor the forward keeps alive
+    #: (the mask, the position rows): the memo is dropped with the forward.
     memo: dict = field(default_factory=dict)
 
     #: explicit per-row positions [B, q] (position ids passed without cache or padding, e.g. PoSE training)

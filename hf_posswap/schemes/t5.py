@@ -103,18 +103,18 @@ class T5RelativeBias(BiasPositions):
             first = int(key_pos[0]) - int(query_pos[0])
             if first + key_pos.shape[0] - 1 <= 0:  # a decoding step, every key at or before the query
                 return self._decode_bias(table, first, key_pos.shape[0], causal)
+        first_query, first_key = int(query_pos.flatten()[0]), int(key_pos.flatten()[0])
         memo_key = (  # index positions are ranges (shape + start say it all); row positions live for the forward
             "t5-buckets",
             causal,
             tuple(query_pos.shape),
             tuple(key_pos.shape),
-            int(query_pos.flatten()[0]),
-            int(key_pos.flatten()[0]),
+            first_query,
+            first_key,
             id(query_pos) if query_pos.dim() > 1 else None,
         )
         buckets = memo.get(memo_key) if memo is not None else None
         if buckets is None and index_positions:  # a view of the kept bucket row
-            first_query, first_key = memo_key[4], memo_key[5]
             buckets = self._index_buckets(first_query, query_pos.shape[0], first_key, key_pos.shape[0], causal)
         elif buckets is None:
             relative = key_pos[..., None, :] - query_pos[..., :, None]  # [B, q, kv], memory - context as in T5
