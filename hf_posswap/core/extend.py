@@ -33,6 +33,7 @@ from ..schemes.rope import RopeConfig
 from ..schemes.rope_scaling import SCALING_REGISTRY
 from ..transformers_internals import config_rope_parameters
 from .context import POSITIONS_ATTR
+from .learned_tables import grow_table, trained_rows
 from .mix import scale_rope_parts
 from .native import check_loaded, install_native_restorers, record_is_native, unwrap_peft
 from .state import CONFIG_RECORD, SwapState, swap_state
@@ -280,9 +281,10 @@ def _table_plan(
             "Extend the model before get_peft_model, or merge first: model = model.merge_and_unload()."
         )
     state = swap_state(model)
-    trained = getattr(state, "original_table", None)
+    trained = getattr(state, "original_table", None)  # kept in memory; a reloaded model has only the grown table
     if trained is None:
-        trained = _learned_table(model, adapter).weight.detach()[:original].clone()  # [original, hidden]
+        grown_by = (getattr(state, "extension", None) or {}).get("method")
+        trained = trained_rows(table.weight.detach(), original, grown_by)  # [original, hidden]
 
     def fill_table() -> None:
         with torch.no_grad():
@@ -312,22 +314,6 @@ def _lift_plan(scheme: SchemeConfig | None, options: dict) -> tuple[None, None]:
     if options:
         raise InvalidOptionError(f"Method 'lift' takes no options, got {sorted(options)}.")
     return None, None
-
-
-def grow_table(trained: torch.Tensor, max_positions: int, method: str) -> torch.Tensor:
-    """[L0, hidden] -> [max_positions, hidden].
-
-    ``interpolate``: the trained vectors stretched over the new length (row i of the result is the linear
-    interpolation at i * (L0 - 1) / (N - 1)), the table analogue of position interpolation (Chen et al. 2023).
-    ``copy``: the trained table repeated, as Longformer initialised its 4096 positions (Beltagy et al. 2020, §5).
-    """
-    if method == "copy":
-        repeats = -(-max_positions // trained.shape[0])
-        return trained.repeat(repeats, 1)[:max_positions]
-    stretched = nn.functional.interpolate(
-        trained.T[None].float(), size=max_positions, mode="linear", align_corners=True
-    )  # [1, hidden, L0] -> [1, hidden, N]
-    return stretched[0].T.to(trained.dtype)
 
 
 def _apply_length_edits(

@@ -208,6 +208,13 @@ def check_loaded(model: nn.Module) -> None:
     if record_is_native(record, family):
         return
     scheme = record.get("scheme") if isinstance(record, dict) else record
+    if isinstance(model_type, str) and model_type.startswith(MODEL_TYPE_PREFIX):  # config.json is as saved
+        raise InvalidConfigError(
+            f"This {type(model).__name__} was loaded from a checkpoint that hf_posswap swapped to {scheme!r} "
+            f"(model_type '{model_type}') by the plain class's {type(model).__name__}.from_pretrained, which does not "
+            "rebuild the swap (its position weights may have been dropped). Load it with an Auto class "
+            "(AutoModelForCausalLM.from_pretrained, AutoModelForMaskedLM.from_pretrained) with hf_posswap imported."
+        )
     raise InvalidConfigError(
         f"This {type(model).__name__} carries config.posswap (scheme {scheme!r}) but was loaded as plain "
         f"'{model_type}', not as the swapped model: the swap's position weights were dropped and its native "

@@ -13,7 +13,7 @@ import torch
 from conftest import MAX_POSITIONS, VOCAB, make_model, swapped
 from test_checkpoints import logits
 from test_errors import assert_untouched, fingerprint
-from transformers import LlamaConfig
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import hf_posswap as ps
@@ -208,6 +208,45 @@ def test_learned_tables_grow(family: str, method: str) -> None:
         assert torch.isfinite(model(input_ids=ids(4 * MAX_POSITIONS)).logits).all()
     ps.unswap(model)
     assert model.config.max_position_embeddings == MAX_POSITIONS
+
+
+def learned_table(model: torch.nn.Module) -> torch.Tensor:
+    return model.base_model.get_submodule(ps.swap.__globals__["get_family"](model).absolute_table_path).weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("method", ["interpolate", "copy"])
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_a_reloaded_grown_table_grows_again_from_the_trained_rows(tmp_path: Path, family: str, method: str,
+                                                                  dtype: torch.dtype) -> None:
+    """A checkpoint holds only the grown table (it stays plain transformers): growing it again must start from the
+    trained rows it was grown from, as in memory, not from the grown table's first rows."""
+    model = make_model(family).to(dtype)
+    trained = learned_table(model).detach().clone()
+    ps.extend_context(model, 2 * MAX_POSITIONS, method)
+    model.save_pretrained(tmp_path)
+    auto = AutoModelForCausalLM if family == "gpt2" else AutoModelForMaskedLM
+    reloaded = auto.from_pretrained(tmp_path, dtype=dtype)
+    ps.extend_context(reloaded, 4 * MAX_POSITIONS, method)
+    grown = learned_table(reloaded).detach()
+    precision = {} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 0}  # the saved table was rounded to bf16
+    torch.testing.assert_close(grown[-1], trained[-1 if method == "interpolate" else MAX_POSITIONS - 1], **precision)
+    torch.testing.assert_close(grown, grow_table(trained, 4 * MAX_POSITIONS, method), **precision)
+
+
+def test_a_table_changed_after_it_was_grown_is_not_grown_again(tmp_path: Path) -> None:
+    model = make_model("gpt2")
+    ps.extend_context(model, 2 * MAX_POSITIONS)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with torch.no_grad():  # as fine-tuning at the longer length would
+        learned_table(reloaded).add_(1e-3 * torch.randn_like(learned_table(reloaded)))
+    before = fingerprint(reloaded)
+    with pytest.raises(ps.InvalidConfigError, match=(
+            f"grown from {MAX_POSITIONS} to {2 * MAX_POSITIONS} positions by 'interpolate' and has changed since "
+            r".*Extend the checkpoint it was grown from instead\.")):
+        ps.extend_context(reloaded, 4 * MAX_POSITIONS)
+    assert_untouched(reloaded, before)
 
 
 @pytest.mark.parametrize("scheme", ["alibi", "t5", "none", "sinusoidal"])

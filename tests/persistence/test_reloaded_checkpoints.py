@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import CAUSAL_FAMILIES, FAMILIES, MAX_POSITIONS, NATIVE_PAIRS, VOCAB, edit_config, make_model, swapped
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2LMHeadModel
 
 import hf_posswap as ps
 from hf_posswap.core.native import check_loaded
@@ -98,6 +98,18 @@ def test_model_type_edited_back_to_the_family_is_detected(tmp_path: Path) -> Non
     for call in (check_loaded, ps.describe, lambda model: ps.extend_context(model, 128)):
         with pytest.raises(ps.InvalidConfigError, match=message):
             call(plain)
+
+
+def test_a_swapped_checkpoint_loaded_by_the_plain_class_names_the_auto_class(tmp_path: Path) -> None:
+    """GPT2LMHeadModel.from_pretrained on a swapped checkpoint (config.json as saved) does not rebuild the swap; the
+    fix is the Auto class, not an edit of a model_type that is already right."""
+    path = _save(tmp_path, "gpt2", "t5")
+    plain = GPT2LMHeadModel.from_pretrained(path)
+    with pytest.raises(ps.InvalidConfigError, match=(
+            r"loaded from a checkpoint that hf_posswap swapped to 't5' \(model_type 'hf_posswap_gpt2'\) by the plain "
+            r"class's GPT2LMHeadModel.from_pretrained.*Load it with an Auto class")) as refused:
+        ps.describe(plain)
+    assert "hf_posswap_hf_posswap" not in str(refused.value)
 
 
 @pytest.mark.parametrize("scaling", [ps.SelfExtend(factor=4.0), ps.ReRoPE(factor=4.0, window=16)],
