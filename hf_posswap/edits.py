@@ -7,6 +7,7 @@ order, so a failed swap leaves the model as it was. ``unswap`` reverts them all.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,6 +70,52 @@ class SetAttribute(Edit):
             delattr(self.owner, self.attr)
         else:
             setattr(self.owner, self.attr, _follow_owner(self._old, self.owner))
+
+
+class OwnConfig(Edit):
+    """Give ``model``, and each of its submodules that holds the same config object, a copy of that config, so
+    the edits after it change this model's config and not an object shared with other models (transformers
+    models built from one config object share it). Revert hands back to the original object what changed on the
+    copy in between (the user's own settings such as ``use_cache``; the swap's edits are reverted by then) and puts
+    the original back in place."""
+
+    where = ""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.original = model.config
+        self.own = copy.copy(self.original)  # the same class; apply gives it deep copies of the values
+        self._applied_values: dict[str, Any] = {}
+
+    def apply(self) -> None:
+        self.own.__class__ = type(self.original)  # on a re-apply after a revert: the very same object, refreshed
+        self.own.__dict__.clear()
+        self.own.__dict__.update(copy.deepcopy(self.original.__dict__))
+        self._applied_values = copy.deepcopy(self.original.__dict__)
+        self._point(self.original, self.own)
+
+    def revert(self) -> None:
+        before, after = self._applied_values, self.own.__dict__
+        for name in before.keys() - after.keys():
+            self.original.__dict__.pop(name, None)
+        for name, value in after.items():
+            if name not in before or not _same(before[name], value):
+                self.original.__dict__[name] = value
+        if type(self.own) is not type(self.original):  # a reloaded model's PosSwap<Config>, reverted to the family's
+            self.original.__class__ = type(self.own)
+        self._point(self.own, self.original)
+
+    def _point(self, old: Any, new: Any) -> None:
+        for module in self.model.modules():
+            if vars(module).get("config") is old:
+                module.config = new
+
+
+def _same(first: Any, second: Any) -> bool:
+    try:
+        return bool(first == second)
+    except Exception:  # values whose == is not a truth value (arrays): treat as changed
+        return False
 
 
 class SetConfigClass(Edit):

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..edits import (
     Edit,
+    OwnConfig,
     SetAttentionImplementation,
     SetAttribute,
     SetConfigClass,
@@ -172,11 +173,18 @@ def _not_swapped_message(model: nn.Module) -> str:
 
 
 def _install(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig) -> SwapState:
-    spec = adapter.spec(model)
-    config = config.resolve(spec)
-    edits, native = _plan(model, adapter, config, spec)
-    before = {id(p) for p in model.parameters()}
-    apply_all(edits)
+    own_config = OwnConfig(model)  # first, and before planning: the edits planned next change the model's own copy
+    own_config.apply()
+    try:
+        spec = adapter.spec(model)
+        config = config.resolve(spec)
+        edits, native = _plan(model, adapter, config, spec)
+        before = {id(p) for p in model.parameters()}
+        apply_all(edits)
+    except BaseException:
+        own_config.revert()
+        raise
+    edits.insert(0, own_config)
     new_parameters = [
         (name, tuple(param.shape), param.requires_grad)
         for name, param in model.named_parameters()
