@@ -35,11 +35,9 @@ from ..transformers_internals import config_rope_parameters
 from .context import POSITIONS_ATTR
 from .learned_tables import grow_table, trained_rows
 from .mix import scale_rope_parts
-from .native import check_loaded, install_native_restorers, record_is_native, unwrap_peft
+from .native import PEFT_SAVED_COPIES, check_loaded, install_native_restorers, record_is_native, unwrap_peft
 from .state import CONFIG_RECORD, SwapState, swap_state
 from .swap import swap
-
-PEFT_WRAPPER_ATTR = "modules_to_save"
 
 TABLE_METHODS = ("interpolate", "copy")
 #: 2^24: float32 represents every integer position up to here, and no further
@@ -274,7 +272,7 @@ def _table_plan(
             "on the model with its own table (or swap with combine='add'), then swap to combine='concat'."
         )
     table = _learned_table(model, adapter)
-    if hasattr(table, PEFT_WRAPPER_ATTR):
+    if hasattr(table, PEFT_SAVED_COPIES):
         raise InvalidConfigError(
             f"The learned position table ({type(table).__name__}) is trained by a peft adapter "
             "(modules_to_save); growing it would replace the module peft saves and lose the adapter's copy. "

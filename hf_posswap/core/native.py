@@ -23,6 +23,9 @@ from ..schemes.base import FRESH_MARK, NativeWeightsMissingWarning
 from ..transformers_internals import INITIALISED_FLAG, init_weights
 from .state import MODEL_TYPE_PREFIX, swap_state
 
+#: the attribute of peft's ModulesToSaveWrapper: it stands for a module the adapter trains and saves a copy of
+PEFT_SAVED_COPIES = "modules_to_save"
+
 
 def unwrap_peft(model: nn.Module) -> nn.Module:
     """The transformers model inside a peft wrapper (or the model itself)."""

@@ -24,7 +24,13 @@ from ..edits import (
     apply_all,
     revert_all,
 )
-from ..errors import AlreadySwappedError, IncompatibleAttentionError, InvalidOptionError, NotSwappedError
+from ..errors import (
+    AlreadySwappedError,
+    IncompatibleAttentionError,
+    InvalidConfigError,
+    InvalidOptionError,
+    NotSwappedError,
+)
 from ..families.base import FamilyAdapter, get_family
 from ..schemes.base import SCHEME_REGISTRY, ModelSpec, NativeWeightsMissingWarning, SchemeConfig
 from ..schemes.mix import LayerMix
@@ -34,7 +40,7 @@ from ..transformers_internals import attention_implementation
 from .attention import CARRIERS, register_attention_functions
 from .context import POSITIONS_ATTR, PositionForward, PositionInputs
 from .mix import as_layer_mix, layer_plan, mix_on_layers, own_theta_per_layer_type, with_own_scaling
-from .native import check_loaded, install_native_restorers, unwrap_peft
+from .native import PEFT_SAVED_COPIES, check_loaded, install_native_restorers, unwrap_peft
 from .state import (
     CONFIG_RECORD,
     RECORD_VERSION,
@@ -108,7 +114,10 @@ def swap(
             f"This model already carries the '{previous.config.name}' scheme from hf_posswap. Call "
             "hf_posswap.unswap(model) first, or swap(model, ..., replace=True) to replace it cleanly."
         )
-    setattr(model, STATE_ATTR, _install_in_place_of(model, adapter, config, previous))
+    under_peft = wrapper is not model
+    if under_peft and previous is not None:
+        _refuse_dropping_adapter_copies(model, previous)
+    setattr(model, STATE_ATTR, _install_in_place_of(model, adapter, config, previous, under_peft))
     install_native_restorers(model)  # native weights a reloaded checkpoint never held stay flagged for unswap
     return wrapper
 
@@ -127,21 +136,53 @@ def _requested_config(model: nn.Module, adapter: FamilyAdapter, scheme: str | Sc
 
 
 def _install_in_place_of(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig,
-                         previous: SwapState | None) -> SwapState:
+                         previous: SwapState | None, under_peft: bool) -> SwapState:
     """Undo ``previous`` (an earlier swap, or None), then install ``config``; if anything after the undo fails,
     the earlier swap is put back exactly as it was."""
     if previous is not None:
         with warnings.catch_warnings():  # a re-created native table is flagged again by the caller, when it matters
             warnings.simplefilter("ignore", NativeWeightsMissingWarning)
             unswap(model)
+    state = None
     try:
         config = with_own_scaling(model, adapter, config)  # read after unswapping: the model's own rope_parameters
-        return _install(model, adapter, config)
+        state = _install(model, adapter, config)
+        if under_peft:
+            _refuse_parameters_no_adapter_saves(state)
+        return state
     except BaseException:
+        if state is not None:
+            revert_all(state.edits)
         if previous is not None:
             apply_all(previous.edits)
             setattr(model, STATE_ATTR, previous)
         raise
+
+
+def _refuse_dropping_adapter_copies(model: nn.Module, previous: SwapState) -> None:
+    """A peft adapter that trains the earlier swap's position module (``modules_to_save``) holds its copy in a
+    wrapper that undoing the swap would throw away."""
+    wrapped = [name for name, module in model.named_modules() if hasattr(module, PEFT_SAVED_COPIES)]
+    held = sorted({path for path in wrapped for name, _, _ in previous.new_parameters
+                   if name == path or name.startswith(path + ".")})
+    if held:
+        raise InvalidConfigError(
+            f"The '{previous.config.name}' position module(s) {', '.join(held)} are trained by the peft adapter "
+            "(modules_to_save); replacing the swap would drop the adapter's copy. Merge the adapter first "
+            "(model = model.merge_and_unload()), or swap the base model before get_peft_model."
+        )
+
+
+def _refuse_parameters_no_adapter_saves(state: SwapState) -> None:
+    """Position parameters added under a peft adapter would train but never be saved with it."""
+    trainable = [name for name, _, requires_grad in state.new_parameters if requires_grad]
+    if trainable:
+        raise InvalidConfigError(
+            f"Swapping a peft model to '{state.config.name}' adds trainable position parameters "
+            f"({', '.join(trainable)}) that the adapter would neither hold nor save. Swap the base model before "
+            "get_peft_model (hf_posswap.lora_config then puts them in modules_to_save), or merge the adapter first "
+            "(model = model.merge_and_unload())."
+        )
 
 
 def unswap(model: nn.Module) -> nn.Module:

@@ -155,6 +155,31 @@ def test_swap_and_unswap_through_a_peft_wrapper(family: str) -> None:
         torch.testing.assert_close(peft_model(**inputs).logits, make_model(family)(**inputs).logits)
 
 
+def test_a_swap_through_a_peft_wrapper_never_loses_trained_position_weights() -> None:
+    """Position parameters added under an adapter would train but never be saved with it, and replacing a swap whose
+    module the adapter trains (modules_to_save) would drop the adapter's copy: both refused, the model unchanged."""
+    from peft import get_peft_model
+    from test_errors import assert_untouched, fingerprint
+
+    plain = get_peft_model(make_model("gpt2"), ps.lora_config(make_model("gpt2"), r=2))
+    before = fingerprint(plain.get_base_model())
+    with pytest.raises(ps.InvalidConfigError, match=(
+            r"Swapping a peft model to 't5' adds trainable position parameters \(transformer.posswap_positions.tables"
+            r".*Swap the base model before get_peft_model")):
+        ps.swap(plain, "t5")
+    assert_untouched(plain.get_base_model(), before)
+
+    model = make_model("gpt2")
+    ps.swap(model, "alibi", trainable_slopes=True)
+    trained = get_peft_model(model, ps.lora_config(model, r=2))
+    before = fingerprint(trained.get_base_model())
+    with pytest.raises(ps.InvalidConfigError, match=(
+            r"The 'alibi' position module\(s\) transformer.posswap_positions are trained by the peft adapter")):
+        ps.swap(trained, "none", replace=True)
+    assert_untouched(trained.get_base_model(), before)
+    assert ps.describe(trained).scheme == "alibi"
+
+
 @pytest.mark.parametrize(("family", "scheme"), [("llama", "alibi"), ("llama", "sinusoidal"), ("gpt2", "t5")])
 def test_removing_an_accelerate_hook_added_before_the_swap_keeps_the_scheme(family: str, scheme: str) -> None:
     """accelerate's remove_hook_from_module puts back the forward it saved when hooking: the swap must survive it
