@@ -254,7 +254,7 @@ def _inspect(argv: list[str]) -> int:
         _check_scheme(args.scheme, {})
     if Path(args.output).exists() and not Path(args.output).is_dir():
         raise InvalidConfigError(f"--output {args.output!r} is a file; give a directory for the PNG files.")
-    check_output_dir(args.output, overwrite=True, checkpoint=False)  # the pictures replace only their own files
+    check_output_dir(args.output, overwrite=True, kind="files")  # the pictures replace only their own files
     model, _, _ = _load(args.model)
     if args.scheme:
         swap(model, args.scheme, replace=swap_state(model) is not None)

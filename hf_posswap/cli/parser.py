@@ -57,7 +57,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 def _overwrite(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
-                        help="write into a non-empty output: replace the checkpoint files there, keep the others")
+                        help="write into a non-empty output: replace the checkpoint files there and remove other "
+                             "weight files (model*.safetensors, pytorch_model*.bin and their indexes, which would "
+                             "load in place of the new ones); every other file stays")
 
 
 def schemes_parser() -> OneLineParser:

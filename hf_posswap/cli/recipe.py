@@ -33,6 +33,8 @@ from .wording import in_cli_words
 #: the run directory inside ``--output``, and the file that marks its run finished (written after the model)
 RUN_DIR = "training"
 RESULT_FILE = "result.json"
+#: warm-up steps of the recipe unless --warmup-steps says otherwise (fewer when the run is shorter)
+DEFAULT_WARMUP_STEPS = 10
 #: (flag, type, default, help) of the training options; a default of None is computed (see the help)
 TRAIN_OPTIONS: tuple[tuple[str, type, Any, str], ...] = (
     ("steps", int, 100, "optimizer steps"),
@@ -40,7 +42,8 @@ TRAIN_OPTIONS: tuple[tuple[str, type, Any, str], ...] = (
     ("batch-size", int, 1, "sequences per batch"),
     ("grad-accum", int, 1, "batches accumulated per optimizer step"),
     ("lr", float, 2e-4, "AdamW learning rate"),
-    ("warmup-steps", int, 10, "steps of linear learning-rate warm-up (then cosine decay)"),
+    ("warmup-steps", int, None, "steps of linear learning-rate warm-up, then cosine decay (default: 10, or --steps "
+                                "when fewer)"),
     ("lora-r", int, 8, "LoRA rank"),
     ("lora-alpha", int, 16, "LoRA scaling alpha"),
     ("pose-target", int, None, "PoSE: position ids of each sequence span this many tokens (default: --to)"),
@@ -83,12 +86,15 @@ def given_training_options(args: argparse.Namespace) -> list[str]:
 
 
 def training_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The training options with their defaults filled in (``pose_target`` defaults to ``--to``)."""
+    """The training options with their defaults filled in (``pose_target`` defaults to ``--to``, ``warmup_steps`` to
+    10 or the whole run when it is shorter)."""
     settings: dict[str, Any] = {flag.replace("-", "_"): default for flag, _, default, _ in TRAIN_OPTIONS}
     settings.update({flag.replace("-", "_"): False for flag, _ in TRAIN_FLAGS})
     settings.update({name: getattr(args, name) for name in TRAIN_NAMES if hasattr(args, name)})
     if settings["pose_target"] is None and not settings["no_pose"]:
         settings["pose_target"] = args.to
+    if settings["warmup_steps"] is None:
+        settings["warmup_steps"] = min(DEFAULT_WARMUP_STEPS, settings["steps"])
     return settings
 
 

@@ -22,6 +22,8 @@ from ..families.base import get_family
 from .quiet import quiet_peft
 
 ADAPTER_RECORD = "posswap_adapter.json"
+#: the model card peft writes beside an adapter
+MODEL_CARD = "README.md"
 POSITION_MODULE_NAMES = ("wpe", "position_embeddings", "posswap_positions")
 
 
@@ -60,19 +62,25 @@ def lora_config(model: nn.Module, r: int = 8, alpha: int = 16, dropout: float = 
 
 
 def save_adapter(peft_model: nn.Module, directory: str | os.PathLike[str],
-                 state_dict: dict[str, Any] | None = None) -> None:
-    """``peft_model.save_pretrained`` plus the swap record the adapter was trained with. ``state_dict``: the whole
-    model's state gathered beforehand (the parameters of a model sharded by FSDP or DeepSpeed ZeRO-3 hold only this
-    process's shards)."""
-    from .saving import check_finite_weights
+                 state_dict: dict[str, Any] | None = None, overwrite: bool = False) -> None:
+    """``peft_model.save_pretrained`` plus the swap record the adapter was trained with, written atomically.
 
-    directory = Path(directory)
+    ``state_dict``: the whole model's state gathered beforehand (the parameters of a model sharded by FSDP or
+    DeepSpeed ZeRO-3 hold only this process's shards). A non-empty ``directory`` is refused unless ``overwrite``
+    (then the adapter's files are replaced and every other file stays, a README.md of yours included); a full
+    checkpoint directory is always refused."""
+    from .saving import check_finite_weights, check_output_dir, staged_directory
+
+    check_output_dir(directory, overwrite, flag="directory", kind="adapter")
     check_finite_weights(peft_model if state_dict is None else state_dict, "the adapter's model")
-    with quiet_peft():
-        peft_model.save_pretrained(directory, **({} if state_dict is None else {"state_dict": state_dict}))
     state = swap_state(_unwrap(peft_model))
     record = {"scheme": state.config.to_dict() if state else None, "extension": state.extension if state else None}
-    (directory / ADAPTER_RECORD).write_text(json.dumps(record, indent=2), encoding="utf-8")
+    with staged_directory(directory, overwrite, kind="adapter") as staging:
+        with quiet_peft():
+            peft_model.save_pretrained(staging, **({} if state_dict is None else {"state_dict": state_dict}))
+        (staging / ADAPTER_RECORD).write_text(json.dumps(record, indent=2), encoding="utf-8")
+        if (Path(directory) / MODEL_CARD).exists():  # peft writes a model card; the user's own one stays
+            (staging / MODEL_CARD).unlink(missing_ok=True)
 
 
 def load_adapter(base_model: nn.Module, directory: str | os.PathLike[str], **kwargs: Any):
@@ -82,7 +90,16 @@ def load_adapter(base_model: nn.Module, directory: str | os.PathLike[str], **kwa
     directory = Path(directory)
     record_path = directory / ADAPTER_RECORD
     if record_path.exists():
-        record = json.loads(record_path.read_text(encoding="utf-8"))
+        try:
+            record = json.loads(record_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise InvalidConfigError(
+                f"{str(record_path)!r} cannot be read as JSON ({error}); restore it as hf_posswap.save_adapter wrote "
+                "it, or save the adapter again."
+            ) from None
+        if not isinstance(record, dict):
+            raise InvalidConfigError(f"{str(record_path)!r} holds {type(record).__name__}, not hf_posswap's adapter "
+                                     "record; restore it as hf_posswap.save_adapter wrote it.")
         state = swap_state(base_model)
         base_scheme = state.config.to_dict() if state else None
         if record.get("scheme") != base_scheme:

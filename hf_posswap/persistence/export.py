@@ -18,8 +18,9 @@ from torch import nn
 
 from ..core.state import swap_state
 from ..errors import InvalidConfigError
+from .restore import REMOTE_MODULE
 
-REMOTE_FILE = "modeling_posswap.py"
+REMOTE_FILE = f"{REMOTE_MODULE}.py"
 #: hf_posswap modules bundled into the remote file, in dependency order
 BUNDLED = (
     "errors", "transformers_internals", "registry", "edits", "schemes/base", "schemes/rope_scaling",

@@ -201,14 +201,18 @@ def _inspect_adapter(path: Path, text: str, flag: str) -> ModelSource:
     base_path = base_name if Path(base_name).expanduser().exists() or not (path / base_name).exists() else str(
         path / base_name
     )
+    if (Path(base_path).expanduser() / ADAPTER_CONFIG).exists():  # checked before reading it: it may name this one
+        itself = Path(base_path).expanduser().resolve() == path.resolve()
+        raise CheckpointError(
+            f"{str(path / ADAPTER_CONFIG)!r} names {'its own directory' if itself else 'another adapter'} as its base "
+            f"({base_name!r}); set base_model_name_or_path to the checkpoint the adapter was trained on."
+        )
     try:
         base = inspect_model_path(base_path, flag=f"{flag} {text!r}: base model")
     except CheckpointError as error:
         raise CheckpointError(
             f"{error} (named by base_model_name_or_path in {str(path / ADAPTER_CONFIG)!r}; edit it if the base moved)"
         ) from error
-    if base.kind == "adapter":
-        raise CheckpointError(f"{str(path / ADAPTER_CONFIG)!r} names another adapter as its base: {base_name!r}.")
     return ModelSource(text, "adapter", base.config, base, record, adapter_config)
 
 

@@ -35,6 +35,8 @@ from ..schemes.base import (
 from ..schemes.rope_scaling import SCALING_REGISTRY
 
 BOOKKEEPING = ("version", "family", "scheme", "extension", "native")
+#: the module ``export_standalone`` writes beside a checkpoint, which config.json's ``auto_map`` names
+REMOTE_MODULE = "modeling_posswap"
 
 
 def scheme_from_record(record: dict[str, Any]) -> SchemeConfig:
@@ -114,6 +116,20 @@ def after_load(model: nn.Module, info: dict[str, Any], source: Any = None) -> No
     """Checks and fix-ups once ``from_pretrained`` has loaded a swapped checkpoint into ``model``."""
     check_position_weights(model, info, source)
     install_native_restorers(model)
+    _forget_export_code(model)
+
+
+def _forget_export_code(model: nn.Module) -> None:
+    """A model that hf_posswap itself loaded from an ``export_standalone`` folder does not carry the folder's
+    ``modeling_posswap.py``, so config.json's ``auto_map`` naming it would make every later save a checkpoint whose
+    remote code is missing. Dropped here; a model loaded as remote code (``trust_remote_code``, its class registered
+    for an Auto class) keeps it, and transformers copies the file when it saves."""
+    auto_map = getattr(model.config, "auto_map", None)
+    if getattr(type(model), "_auto_class", None) is not None or not isinstance(auto_map, dict):
+        return
+    names = [name for value in auto_map.values() for name in (value if isinstance(value, (list, tuple)) else [value])]
+    if any(isinstance(name, str) and name.startswith(f"{REMOTE_MODULE}.") for name in names):
+        del model.config.auto_map
 
 
 def position_module_paths(model: nn.Module) -> list[str]:

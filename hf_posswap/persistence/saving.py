@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import PosSwapError
 
@@ -61,10 +61,13 @@ def check_finite_weights(model: Any, what: str = "the model") -> None:
 
 
 def check_output_dir(
-    path: str | os.PathLike[str], overwrite: bool = False, flag: str = "--output", checkpoint: bool = True
+    path: str | os.PathLike[str], overwrite: bool = False, flag: str = "--output",
+    kind: Literal["checkpoint", "adapter", "files"] = "checkpoint",
 ) -> Path:
-    """Validate a directory to write a checkpoint to, before any work: not a file, an existing writable parent,
-    and empty or absent unless ``overwrite``; a full ``checkpoint`` never goes over a LoRA adapter directory."""
+    """Validate a directory to write to, before any work: not a file, an existing writable parent, and empty or
+    absent unless ``overwrite``. A full ``checkpoint`` never goes over a LoRA adapter directory, nor an ``adapter``
+    over a full checkpoint (its config.json beside adapter_config.json would read as an adapter based on itself);
+    other ``files`` (pictures) go anywhere."""
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise OutputError(f"{flag} {str(path)!r} is an existing file, not a directory; choose a directory path.")
@@ -76,6 +79,13 @@ def check_output_dir(
         )
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"{flag} {str(path)!r}: the directory {str(parent)!r} is not writable; choose another.")
+    if kind == "checkpoint" and (target / ADAPTER_CONFIG).exists():
+        raise OutputError(_ADAPTER_TARGET.format(flag=flag, path=str(path)))
+    if kind == "adapter" and (target / "config.json").exists() and not (target / ADAPTER_CONFIG).exists():
+        raise OutputError(
+            f"{flag} {str(path)!r} holds a full checkpoint (config.json); an adapter written there would make it "
+            "read as an adapter whose base is itself. Choose another directory."
+        )
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise OutputError(
             f"{flag} {str(path)!r} is not empty. Choose a new or empty directory, or pass --overwrite "
@@ -83,8 +93,6 @@ def check_output_dir(
         )
     if target.is_dir() and not os.access(target, os.W_OK | os.X_OK):
         raise OutputError(f"{flag} {str(path)!r} is not writable; choose another directory.")
-    if checkpoint and (target / ADAPTER_CONFIG).exists():
-        raise OutputError(_ADAPTER_TARGET.format(flag=flag, path=str(path)))
     return target
 
 
@@ -104,10 +112,12 @@ def check_output_file(path: str | os.PathLike[str], flag: str = "--output") -> P
 
 
 @contextlib.contextmanager
-def staged_directory(target: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
+def staged_directory(
+    target: str | os.PathLike[str], overwrite: bool = False, kind: Literal["checkpoint", "adapter"] = "checkpoint"
+) -> Iterator[Path]:
     """Yield an empty staging directory beside ``target``; when the block succeeds, publish it into ``target``.
     When it raises, the staging directory is removed and ``target`` is left exactly as it was."""
-    check_output_dir(target, overwrite, flag="output")
+    check_output_dir(target, overwrite, flag="output", kind=kind)
     target = Path(target).resolve()  # a symlinked target: write into the directory it points to
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=target.parent))
     staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private (0700); the published directory gets the usual mode

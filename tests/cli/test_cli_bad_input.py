@@ -58,7 +58,9 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
         change(root / name)
     for name, change in (("bad_record", lambda d: (d / "posswap_adapter.json").write_text("{oops")),
                          ("odd_record", lambda d: (d / "posswap_adapter.json").write_text('{"scheme": 3}')),
-                         ("lost_base", _lose_base)):
+                         ("lost_base", _lose_base),
+                         ("own_base", lambda d: _set_base(d, d)),
+                         ("adapter_base", lambda d: _set_base(d, root / "adapter"))):
         shutil.copytree(root / "adapter", root / name)
         change(root / name)
     (root / "results.json").write_text(json.dumps({"perplexity": [{"length": 8, "mode": "windows",
@@ -112,6 +114,12 @@ def _truncate(directory: Path) -> None:
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
 
 
+def _set_base(directory: Path, base: Path) -> None:
+    config = json.loads((directory / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(base)
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+
+
 def _lose_base(directory: Path) -> None:
     config = json.loads((directory / "adapter_config.json").read_text())
     config["base_model_name_or_path"] = str(directory / "moved-away")
@@ -146,6 +154,9 @@ BEFORE_LOADING = [
     ("eval-corrupt-adapter-record", E + ["{ws}/bad_record"], "bad_record/posswap_adapter.json' is not valid JSON"),
     ("eval-malformed-adapter-record", E + ["{ws}/odd_record"], "odd_record/posswap_adapter.json' is malformed"),
     ("eval-adapter-base-gone", E + ["{ws}/lost_base"], "moved-away': no such directory"),
+    ("eval-adapter-based-on-itself", E + ["{ws}/own_base"], "adapter_config.json' names its own directory as its base"),
+    ("swap-adapter-based-on-an-adapter", ["swap", "--model", "{ws}/adapter_base", "--scheme", "alibi", "--output",
+                                          "{ws}/o"], "adapter_config.json' names another adapter as its base"),
     ("eval-tail-from-past-lengths", E + ["{ws}/llama", "--mode", "windows", "tail", "--tail-from", "1024"],
      "--tail-from 1024"),
     ("eval-trials-0", E + ["{ws}/llama", "--passkey-lengths", "200", "--trials", "0"], "got 0"),

@@ -126,3 +126,34 @@ def test_export_failing_half_way_leaves_the_old_checkpoint(tmp_path, monkeypatch
         ps.export_standalone(model, tmp_path / "out", overwrite=True)
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the staging directory is gone
+
+
+SAVE_AS_REMOTE_CODE = textwrap.dedent("""
+    import sys, json
+    sys.modules["hf_posswap"] = None
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+    model.save_pretrained(sys.argv[2])
+    again = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[2], trust_remote_code=True)
+    print(type(again).__name__, sorted(json.load(open(sys.argv[2] + "/config.json"))["auto_map"]))
+    """)
+
+
+@pytest.mark.slow  # a subprocess that loads remote code
+def test_a_saved_export_points_at_code_only_when_it_carries_it(tmp_path: Path) -> None:
+    """Loaded by hf_posswap, an export's model does not carry modeling_posswap.py, so its saves drop the auto_map
+    naming it (a later trust_remote_code load would find no code); loaded as remote code, transformers copies the
+    file and the auto_map stays."""
+    from transformers import AutoModelForCausalLM
+
+    ps.export_standalone(swapped("gpt2", "t5"), tmp_path / "export")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    ps.swap(loaded, "alibi", replace=True)
+    loaded.save_pretrained(tmp_path / "resaved")
+    assert "auto_map" not in json.loads((tmp_path / "resaved" / "config.json").read_text())
+    assert ps.describe(AutoModelForCausalLM.from_pretrained(tmp_path / "resaved")).scheme == "alibi"
+    result = subprocess.run([sys.executable, "-c", SAVE_AS_REMOTE_CODE, str(tmp_path / "export"),
+                             str(tmp_path / "remote")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "PosSwapGPT2LMHeadModel" in result.stdout and "AutoModelForCausalLM" in result.stdout
+    assert (tmp_path / "remote" / "modeling_posswap.py").exists()
