@@ -70,6 +70,12 @@ def export_standalone(
         raise InvalidConfigError(
             f"{type(model).__name__} carries no hf_posswap swap; save it with model.save_pretrained() instead."
         )
+    if state.native:
+        raise InvalidConfigError(
+            f"{type(model).__name__}'s '{state.config.name}' swap is written in transformers' own config "
+            "(config.rope_parameters), so model.save_pretrained() already saves a checkpoint that plain "
+            "AutoModel*.from_pretrained loads; there is nothing to export."
+        )
     from .saving import check_finite_weights, check_output_dir, staged_directory
 
     check_output_dir(directory, overwrite, flag="directory")

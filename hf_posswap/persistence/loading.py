@@ -138,10 +138,16 @@ def _check_config_values(config: dict[str, Any], path: Path) -> None:
             )
     config_class = config_mapping()[str(config["model_type"]).removeprefix("hf_posswap_")]
     try:
-        config_class.from_dict({key: value for key, value in config.items() if key != "model_type"})
+        built = config_class.from_dict({key: value for key, value in config.items() if key != "model_type"})
     except (StrictDataclassError, ValueError, TypeError, KeyError, AttributeError) as error:
         message = " ".join(str(error).split())
         raise CheckpointError(f"{str(path)!r} holds an invalid value: {message}. Restore config.json.") from error
+    length = getattr(built, "max_position_embeddings", None)  # GPT-2 calls it n_positions
+    if isinstance(length, bool) or (isinstance(length, int) and length < 1):
+        raise CheckpointError(
+            f"{str(path)!r} gives the model {length!r} positions (max_position_embeddings, n_positions for GPT-2); "
+            "restore the length the model was trained at."
+        )
 
 
 def _check_weights(path: Path, names: tuple[str, ...], flag: str, text: str) -> list[str]:

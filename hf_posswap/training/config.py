@@ -295,6 +295,9 @@ def parse_options(items: list[str]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep:
             raise InvalidConfigError(f"Options are KEY=VALUE, got {item!r}.")
+        if key in options:
+            raise InvalidConfigError(f"Option {key!r} is given twice ({item!r} after an earlier {key}=...); give it "
+                                     "once.")
         if value in python_words:
             options[key] = python_words[value]
             continue

@@ -56,6 +56,8 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
                          ("zero_length", lambda d: _edit_config(d, max_position_embeddings=0))):
         shutil.copytree(root / "llama", root / name)
         change(root / name)
+    shutil.copytree(root / "gpt2", root / "gpt2_zero_positions")
+    _edit_config(root / "gpt2_zero_positions", n_positions=0)
     for name, change in (("bad_record", lambda d: (d / "posswap_adapter.json").write_text("{oops")),
                          ("odd_record", lambda d: (d / "posswap_adapter.json").write_text('{"scheme": 3}')),
                          ("lost_base", _lose_base),
@@ -154,6 +156,9 @@ BEFORE_LOADING = [
     ("eval-corrupt-adapter-record", E + ["{ws}/bad_record"], "bad_record/posswap_adapter.json' is not valid JSON"),
     ("eval-malformed-adapter-record", E + ["{ws}/odd_record"], "odd_record/posswap_adapter.json' is malformed"),
     ("eval-adapter-base-gone", E + ["{ws}/lost_base"], "moved-away': no such directory"),
+    ("extend-trained-length-0", ["extend", "--model", "{ws}/zero_length", "--to", "128", "--output", "{ws}/short"],
+     "zero_length/config.json' gives the model 0 positions (max_position_embeddings, n_positions for GPT-2)"),
+    ("eval-gpt2-no-positions", E + ["{ws}/gpt2_zero_positions"], "gives the model 0 positions"),
     ("eval-adapter-based-on-itself", E + ["{ws}/own_base"], "adapter_config.json' names its own directory as its base"),
     ("swap-adapter-based-on-an-adapter", ["swap", "--model", "{ws}/adapter_base", "--scheme", "alibi", "--output",
                                           "{ws}/o"], "adapter_config.json' names another adapter as its base"),
@@ -254,8 +259,6 @@ AFTER_LOADING = [  # refused once the model is known, still before any forward p
     ("inspect-length-past-learned-table", ["inspect", "--model", "{ws}/gpt2", "--length", "100", "--output",
                                            "{ws}/pictures"], "Length 100 exceeds"),
     ("extend-shorter", ["extend", "--model", "{ws}/llama", "--to", "16", "--output", "{ws}/short"], "16"),
-    ("extend-trained-length-0", ["extend", "--model", "{ws}/zero_length", "--to", "128", "--output", "{ws}/short"],
-     "trained length is 0"),
     ("swap-ntk-base-overflows", ["swap", "--model", "{ws}/llama", "--scheme", "rope", "--option",
                                  'scaling={"method": "ntk", "factor": 1e300}', "--output", "{ws}/short"],
      "rope_theta must be above 1 and at most 3.4e+38, got inf"),

@@ -66,6 +66,8 @@ def test_swapping_a_swapped_checkpoint_warns_what_is_replaced(ws, tmp_path, caps
 def test_python_spellings_of_booleans_are_accepted_in_options(ws, tmp_path) -> None:
     assert parse_options(["a=True", "b=False", "c=None", "d=true", "e=yes"]) == {
         "a": True, "b": False, "c": None, "d": True, "e": "yes"}
+    with pytest.raises(ps.InvalidConfigError, match="Option 'num_buckets' is given twice"):  # not the last one silently
+        parse_options(["num_buckets=16", "num_buckets=32"])
     assert main(["swap", "--model", str(ws / "gpt2"), "--scheme", "alibi", "--option", "trainable_slopes=True",
                  "--output", str(tmp_path / "out")]) == 0
 

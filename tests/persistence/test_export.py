@@ -74,6 +74,14 @@ def test_export_cli(tmp_path: Path) -> None:
                                                                      "AutoModelForCausalLM")
 
 
+def test_exporting_a_native_swap_is_refused(tmp_path: Path) -> None:
+    model = make_model("llama")
+    ps.swap(model, "rope", rope_theta=5e4)  # written in config.rope_parameters: plain transformers reads it
+    with pytest.raises(ps.InvalidConfigError, match="'rope' swap is written in transformers' own config"):
+        ps.export_standalone(model, tmp_path / "export")
+    assert not (tmp_path / "export").exists()
+
+
 def test_exporting_an_unswapped_model_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ps.InvalidConfigError, match=r"GPT2LMHeadModel carries no hf_posswap swap; save it with "
                        r"model.save_pretrained\(\) instead"):
