@@ -106,7 +106,7 @@ def check_run_output(output: str, resume: bool, overwrite: bool) -> None:
     to start again); a finished one only with ``--overwrite``."""
     from ..persistence.saving import check_output_dir
     from ..training.guards import previous_run_files
-    from ..training.state import has_checkpoint_dirs
+    from ..training.run_checkpoints import has_checkpoint_dirs
 
     if resume and overwrite:
         raise InvalidConfigError("--resume and --overwrite exclude each other: --resume continues the run in "
@@ -263,7 +263,7 @@ def publish_result(run: Path, output: Path, lora: bool, result: dict[str, Any]) 
     loads), mark the run finished (``result.json``: steps, losses, seconds), then drop its resumable checkpoints.
     A crash in between leaves the checkpoints, so ``--resume`` writes the model again. Returns how it loads."""
     from ..persistence.saving import publish, write_file_atomic
-    from ..training.state import CHECKPOINTS
+    from ..training.run_checkpoints import CHECKPOINTS
 
     source = run / ("merged" if lora else "final")
     publish(source, output)

@@ -108,9 +108,9 @@ def scheme_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Apply the context's scheme to q [B, H, q, D], k [B, Hkv, kv, D] and the mask; return (q, k, mask).
 
-    Rotary schemes rotate q and k (cached keys once, in the cache). Bias schemes merge their bias into the mask; a
-    merged mask that needs no gradient (fixed ALiBi slopes, any scheme under ``no_grad``) is computed once per
-    forward and shared by every layer that shares the bias.
+    By the context's kind: rotary schemes rotate q and k (cached keys once, in the cache); temperature scales the
+    queries; head mixes split the heads; bias schemes merge their bias into the mask (:func:`dense_bias_mask`);
+    the others (none, absolute: positions already in the embeddings) leave all three as they are.
     """
     if context is None or context.positions is None or not context.is_self_attention(module):
         return query, key, attention_mask
@@ -123,6 +123,16 @@ def scheme_inputs(
         return head_mix_inputs(module, query, key, attention_mask, context)
     if context.kind != "bias":
         return query, key, attention_mask
+    return query, key, dense_bias_mask(module, query, key, attention_mask, context)
+
+
+def dense_bias_mask(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+    context: PositionContext,
+) -> torch.Tensor:
+    """The bias scheme's [1 or B, H, q, kv] bias merged with the padding and causal masks, as one float mask for
+    plain attention. Memoised for the forward when it needs no gradient (fixed ALiBi slopes, any scheme under
+    ``no_grad``), shared by every layer that shares the bias."""
     scheme = context.positions
     note_path(DENSE)
     query_pos, key_pos = context.query_key_positions(query.shape[2], key.shape[2], query.device)
@@ -151,7 +161,7 @@ def scheme_inputs(
         merged = merge_bias_and_mask(bias, attention_mask, allowed, query.dtype)
         if not merged.requires_grad:
             context.memo[memo_key] = merged
-    return query, key, merged
+    return merged
 
 
 def _every_key_visible(context: PositionContext, q_len: int, kv_len: int, query_pos: torch.Tensor) -> bool:

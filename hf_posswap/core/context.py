@@ -23,7 +23,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -65,6 +65,13 @@ class LayerPlan:
         return "temperature" in self.kinds or any(settings is not None for settings in self.two_pass)
 
 
+#: what a context asks of attention (``core/attention.py``'s ``scheme_inputs`` dispatches on it): a scheme config's
+#: kind ("absolute": positions already in the embeddings, "rotary", "bias", "none"), "temperature" (queries scaled
+#: by position only), "head_mix" (per-head schemes in one layer) or "mix" (a layer mix, before ``for_layer`` picks
+#: the layer's part)
+ContextKind = Literal["absolute", "rotary", "bias", "none", "temperature", "head_mix", "mix"]
+
+
 @dataclass
 class PositionContext:
     """What the attention function needs to place queries and keys.
@@ -74,7 +81,7 @@ class PositionContext:
     """
 
     positions: nn.Module | None
-    kind: str
+    kind: ContextKind
     query_offset: int
     is_self_attention: Callable[[nn.Module], bool]
     layer_shared: bool = True
@@ -179,7 +186,7 @@ class PositionInputs:
     def __init__(
         self,
         adapter: FamilyAdapter,
-        kind: str,
+        kind: ContextKind,
         adds_absolute: bool,
         feeds_attention: bool,
         layer_shared: bool = True,

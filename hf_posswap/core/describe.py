@@ -9,7 +9,7 @@ from torch import nn
 
 from ..families.base import FAMILY_REGISTRY
 from ..transformers_internals import attention_implementation
-from .mix import describe_layers
+from .layer_plan import describe_layers
 from .native import check_loaded, unwrap_peft
 from .state import swap_state
 

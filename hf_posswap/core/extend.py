@@ -33,8 +33,8 @@ from ..schemes.rope import RopeConfig
 from ..schemes.rope_scaling import SCALING_REGISTRY
 from ..transformers_internals import config_rope_parameters
 from .context import POSITIONS_ATTR
+from .layer_plan import scale_rope_parts
 from .learned_tables import grow_table, trained_rows
-from .mix import scale_rope_parts
 from .native import PEFT_SAVED_COPIES, check_loaded, install_native_restorers, record_is_native, unwrap_peft
 from .state import CONFIG_RECORD, SwapState, swap_state
 from .swap import swap
@@ -98,8 +98,8 @@ def _extension_plan(model: nn.Module, max_positions: int, method: str | None, op
     adapter = get_family(model)
     state = swap_state(model)
     reloaded = _reloaded_native_rope(model, adapter) if state is None else None
-    scheme = reloaded[0] if reloaded else _current_scheme(model, adapter, state)
-    original, current = reloaded[1:] if reloaded else _lengths(model, state)
+    scheme = reloaded.rope if reloaded else _current_scheme(model, adapter, state)
+    original, current = (reloaded.original, reloaded.current) if reloaded else _lengths(model, state)
     if not _positive_lengths(original, current):
         raise InvalidConfigError(
             f"This model's trained length is {original!r} (current {current!r}); extending needs positive integers. "
@@ -155,7 +155,13 @@ def _current_scheme(model: nn.Module, adapter: FamilyAdapter, state: SwapState |
     return None
 
 
-def _reloaded_native_rope(model: nn.Module, adapter: FamilyAdapter) -> tuple[RopeConfig, int, int] | None:
+class _ReloadedRope(NamedTuple):
+    rope: RopeConfig
+    original: int  # the trained length
+    current: int  # the length it was extended to
+
+
+def _reloaded_native_rope(model: nn.Module, adapter: FamilyAdapter) -> _ReloadedRope | None:
     """(the RoPE, the original trained length, the current length) of a native RoPE checkpoint that was extended,
     saved and loaded back by plain transformers (it has no swap state). Its ``rope_parameters`` do not always say
     where it came from: ``linear`` keeps no original length and static NTK only a raised base, so a second
@@ -178,7 +184,7 @@ def _reloaded_native_rope(model: nn.Module, adapter: FamilyAdapter) -> tuple[Rop
         written = rope.rope_parameters(adapter.spec(model).head_dim)
     except (PosSwapError, TypeError, ValueError):
         return None
-    return (rope, original, current) if written == config_rope_parameters(model.config) else None
+    return _ReloadedRope(rope, original, current) if written == config_rope_parameters(model.config) else None
 
 
 def _positive_lengths(*lengths: Any) -> bool:

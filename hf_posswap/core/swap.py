@@ -39,7 +39,7 @@ from ..schemes.two_pass import SelfExtend, TwoPassSettings
 from ..transformers_internals import attention_implementation
 from .attention import CARRIERS, register_attention_functions
 from .context import POSITIONS_ATTR, PositionForward, PositionInputs
-from .mix import as_layer_mix, layer_plan, mix_on_layers, own_theta_per_layer_type, with_own_scaling
+from .layer_plan import as_layer_mix, layer_plan, mix_on_layers, own_theta_per_layer_type, with_own_scaling
 from .native import PEFT_SAVED_COPIES, check_loaded, install_native_restorers, unwrap_peft
 from .state import (
     CONFIG_RECORD,
@@ -293,7 +293,7 @@ def _scheme_edits(model: nn.Module, adapter: FamilyAdapter, config: SchemeConfig
 
 def _mix_edits(model: nn.Module, adapter: FamilyAdapter, config: LayerMix, spec: ModelSpec) -> list[Edit]:
     """A layer mix: the family's positions removed, the mix's modules installed, every layer through the carriers
-    with a per-layer plan (see :mod:`hf_posswap.core.mix`)."""
+    with a per-layer plan (see :mod:`hf_posswap.core.layer_plan`)."""
     _check_attention(model, config)
     plan = layer_plan(config, spec, _two_pass_settings)
     module = config.build(spec).to(device=spec.device)

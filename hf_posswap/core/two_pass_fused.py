@@ -34,6 +34,8 @@ import torch
 #: queries per band block on CPU: measured fastest (64 vs 16-512) at 8,192 tokens, W 512-1024, 2 threads
 BAND_ROWS = 64
 
+#: sdpa's fused CPU kernel: (query, key, value, dropout_p, is_causal, attn_mask=, scale=) -> (out [B, H, q, D],
+#: log-sum-exp [B, H, q]); the callers pass dropout_p 0.0 and is_causal by position
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 TwoPassKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]

@@ -1,35 +1,22 @@
 """Measure what a swap or an extension did: perplexity against length and passkey retrieval.
 
+``measure.evaluate`` runs both and returns the results; ``perplexity``, ``passkey`` and ``corpora`` hold the
+protocols and the built-in texts, ``checks`` the input checks, ``plots`` the pictures.
+
 >>> results = evaluate(model, tokenizer, [512, 1024], passkey_lengths=[512])  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-from collections.abc import Sequence
-from typing import Any
-
-import torch
-from torch import nn
-
-from ..errors import InvalidConfigError
 from ..progress import Progress
-from .checks import (
-    check_causal,
-    check_lengths_fit,
-    check_results_output,
-    check_settings,
-    check_vocabulary,
-    learned_table_size,
-)
-from .corpora import CORPORA, corpus_text, text_digest
-from .passkey import PasskeyResult, passkey_accuracy, passkey_prompt, shortest_passkey_length
-from .perplexity import MODES, PerplexityResult, perplexity, plan_windows
+from .corpora import CORPORA, corpus_text
+from .measure import ANSWER_TOKENS, check_passkey_lengths, evaluate
+from .passkey import PasskeyResult, passkey_accuracy, passkey_prompt
+from .perplexity import MODES, PerplexityResult, perplexity
 from .tokenizer import BYTE_VOCAB_SIZE, byte_tokenizer
 
 __all__ = [
+    "ANSWER_TOKENS",
     "BYTE_VOCAB_SIZE",
     "CORPORA",
     "MODES",
@@ -44,101 +31,3 @@ __all__ = [
     "passkey_prompt",
     "perplexity",
 ]
-
-
-def evaluate(
-    model: nn.Module,
-    tokenizer,
-    lengths: Sequence[int] = (),
-    *,
-    text: str | None = None,
-    corpus: str = "reference",
-    modes: Sequence[str] = ("windows",),
-    stride: int | None = None,
-    tail_from: int | None = None,
-    max_windows: int | None = 4,
-    passkey_lengths: Sequence[int] = (),
-    depths: Sequence[float] = (0.0, 0.5, 1.0),
-    trials: int = 5,
-    output: str | os.PathLike[str] | None = None,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Perplexity at each length and mode, and passkey accuracy by length x depth; optionally written as JSON.
-
-    Every setting is checked before the first forward pass (an impossible one never costs finished results).
-    ``max_windows``: windows per length; ``None`` or 0 means all of them (as the CLI's ``--max-windows 0``).
-    ``progress``: report each window and passkey trial on stderr, with the elapsed time and an ETA (a bar on a
-    terminal, plain lines elsewhere); ``False`` for silent library use."""
-    check_settings(lengths, modes, stride, tail_from, max_windows, passkey_lengths, depths, trials)
-    if output is not None:
-        check_results_output(output, flag="output")
-    check_causal(model)
-    model.eval()
-    source = "given text" if text is not None else f"corpus:{corpus}"
-    text = text if text is not None else corpus_text(corpus)
-    if not text.strip():
-        raise InvalidConfigError("The evaluation text is empty; pass a text file with content, or a built-in corpus.")
-    token_ids = torch.tensor(tokenizer(text)["input_ids"])
-    _check_before_running(model, tokenizer, token_ids, lengths, modes, stride, tail_from, passkey_lengths)
-    weights = next(model.parameters(), None)
-    results: dict[str, Any] = {
-        "text": {"source": source, "sha256": text_digest(text), "tokens": int(token_ids.numel())},
-        "dtype": str(weights.dtype).removeprefix("torch.") if weights is not None else None,  # what the numbers ran in
-        "perplexity": [],
-        "passkey": [],
-    }
-    for length in lengths:
-        for mode in modes:
-            result = perplexity(model, token_ids, length, mode, stride, tail_from, max_windows or None, progress)
-            results["perplexity"].append(dataclasses.asdict(result))
-    for length in passkey_lengths:
-        with Progress(f"passkey at {length} tokens", len(depths) * trials, unit="trial", enabled=progress) as bar:
-            for depth in depths:
-                result = passkey_accuracy(model, tokenizer, length, depth, trials, progress=bar)
-                results["passkey"].append(dataclasses.asdict(result))
-    if output is not None:
-        from ..persistence.saving import write_file_atomic
-
-        write_file_atomic(output, json.dumps(results, indent=2))
-    return results
-
-
-def check_passkey_lengths(tokenizer, passkey_lengths: Sequence[int]) -> None:
-    """Every passkey prompt must hold at least the needle and the question (needs only the tokenizer, so callers
-    can check this before loading a model)."""
-    if not passkey_lengths:
-        return
-    shortest = shortest_passkey_length(tokenizer)
-    too_short = [length for length in passkey_lengths if length < shortest]
-    if too_short:
-        raise InvalidConfigError(
-            f"Passkey length {too_short[0]} is shorter than the needle and the question alone ({shortest} tokens); "
-            f"use passkey lengths >= {shortest}."
-        )
-
-
-#: positions a passkey answer may take after its prompt (a 5-digit key and one token more, in any tokenizer here)
-ANSWER_TOKENS = 8
-
-
-def _check_before_running(model: nn.Module, tokenizer, token_ids: torch.Tensor, lengths: Sequence[int],
-                          modes: Sequence[str], stride: int | None, tail_from: int | None,
-                          passkey_lengths: Sequence[int]) -> None:
-    """The checks that need the model, tokenizer or text, all before the first forward pass."""
-    for length in lengths:
-        for mode in modes:
-            plan_windows(model, token_ids, length, mode, stride, tail_from)
-    check_lengths_fit(model, max(passkey_lengths, default=0))  # before a long prompt is built for nothing
-    check_passkey_lengths(tokenizer, passkey_lengths)
-    check_lengths_fit(model, max(lengths, default=0))
-    table = learned_table_size(model)
-    for length in passkey_lengths if table is not None else ():
-        needed = passkey_prompt(tokenizer, length, 0.5, "12345").numel() + ANSWER_TOKENS
-        if needed > table[1]:
-            raise InvalidConfigError(
-                f"Passkey length {length} needs {needed} positions (the prompt, then up to {ANSWER_TOKENS} answer "
-                f"tokens), past the model's learned position table ({table[0]}: {table[1]} positions); use passkey "
-                f"lengths <= {length - (needed - table[1])}, or extend the context first (hf-posswap extend --to "
-                f"{needed})."
-            )
-    check_vocabulary(model, tokenizer)

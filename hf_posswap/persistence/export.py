@@ -32,7 +32,7 @@ BUNDLED = (
     "families/phi3", "families/gpt_neox", "families/roberta", "core/state", "core/native", "core/rotation",
     "core/rotary_cache", "core/input_positions", "core/context", "core/paths", "core/two_pass_fused",
     "core/self_extend", "core/flex_bias", "core/attention",
-    "core/mix", "core/swap", "core/learned_tables", "core/extend",
+    "core/layer_plan", "core/swap", "core/learned_tables", "core/extend",
     "persistence/autoload", "persistence/restore",
 )
 _RELATIVE_IMPORT = re.compile(r"^[ \t]*from \.+[\w.]* import (\([^)]*\)|[^\n]*)\n", re.MULTILINE)

@@ -317,56 +317,79 @@ def _fused_forward(
 
 def _fused_backward(ctx: Any, grad: torch.Tensor) -> tuple:
     """Gradients (dq, dk, dv in their dtypes, dweight in the working dtype, None, None) of
-    :class:`FusedT5Attention`: the far parts through the fused kernel's backward, the band by hand."""
+    :class:`FusedT5Attention`: the far parts through the fused kernel's backward, the band by hand.
+
+    Both use the softmax backward of FlashAttention (Dao et al. 2022, "FlashAttention", Alg. 4 / appendix B.2):
+    with delta = rowsum(dO * O), the score gradients are dS = P * (dP - delta), where P is each part's share of the
+    *merged* softmax, so the parts' gradients add up to the whole attention's."""
     q, k, v, weight, out, lse, near_lse, probs, *far = ctx.saved_tensors
     plan: Plan = ctx.plan
-    band, heads, kv_heads, length, work = plan.band, q.shape[1], k.shape[1], q.shape[2], weight.dtype
+    work = weight.dtype
     grad_in = grad.contiguous().to(q.dtype)  # the kernel's dtype
     grad = grad_in.to(work)
     delta = (grad * out).sum(-1)  # [B, H, q]
     out_in = out.to(q.dtype)  # the output the caller got, as the kernel's backward reads it
-    dtypes = (q.dtype, k.dtype, v.dtype)
     dq, dk, dv = (t.new_zeros(t.shape, dtype=work) for t in (q, k, v))
     dweight = torch.zeros_like(weight)
-    for i, part in enumerate(plan.parts):
-        out_p, lse_p = far[2 * i], far[2 * i + 1]
-        rows, keys = slice(*part.rows), slice(*part.keys)
-        row_lse = lse[:, :, rows] - weight[:, part.bucket, None]  # the merged softmax, seen from this part
-        dq_p, dk_p, dv_p = _flash_backward(
-            _slice(grad_in, part.rows, part.flipped),
-            _slice(q, part.rows, part.flipped),
-            _slice(k, part.keys, part.flipped),
-            _slice(v, part.keys, part.flipped),
-            _slice(out_in, part.rows, part.flipped),
-            row_lse.flip(-1) if part.flipped else row_lse,
-            0.0,
-            part.causal,
-            scale=plan.scale,
-        )
-        if part.flipped:
-            dq_p, dk_p, dv_p = dq_p.flip(2), dk_p.flip(2), dv_p.flip(2)
-        dq[:, :, rows] += dq_p
-        dk[:, :, keys] += dk_p
-        dv[:, :, keys] += dv_p
-        # d lse_p / d constant = 1: sum over the part's probabilities of (dP - delta)
-        share = (lse_p - lse[:, :, rows]).exp()
-        dweight[:, part.bucket] += (share * ((grad[:, :, rows] * out_p).sum(-1) - delta[:, :, rows])).sum((0, 2))
-    q, k, v = q.to(work), k.to(work), v.to(work)
+    far_pairs = [(far[2 * i], far[2 * i + 1]) for i in range(len(plan.parts))]  # (out_p, lse_p) per far part
+    for part, (out_p, lse_p) in zip(plan.parts, far_pairs, strict=True):
+        _far_part_grads(part, plan, q, k, v, weight, out_in, lse, grad_in, grad, delta, out_p, lse_p,
+                        grads=(dq, dk, dv, dweight))
+    _band_grads(plan, q.to(work), k.to(work), v.to(work), lse, near_lse, probs, grad, delta,
+                grads=(dq, dk, dv, dweight), table_grad=ctx.needs_input_grad[3])
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dweight, None, None
+
+
+def _far_part_grads(part: Any, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor,
+                    out_in: torch.Tensor, lse: torch.Tensor, grad_in: torch.Tensor, grad: torch.Tensor,
+                    delta: torch.Tensor, out_p: torch.Tensor, lse_p: torch.Tensor, grads: tuple) -> None:
+    """Add one far part's gradients to ``grads`` (dq, dk, dv, dweight): the fused kernel's backward run with the
+    merged output and log-sum-exp (minus the part's constant, so the kernel's P is the part's merged share), and the
+    constant's gradient, the sum over the part's probabilities of (dP - delta)."""
+    dq, dk, dv, dweight = grads
+    rows, keys = slice(*part.rows), slice(*part.keys)
+    row_lse = lse[:, :, rows] - weight[:, part.bucket, None]  # [B, H, rows]: the merged softmax, seen from this part
+    dq_p, dk_p, dv_p = _flash_backward(
+        _slice(grad_in, part.rows, part.flipped),
+        _slice(q, part.rows, part.flipped),
+        _slice(k, part.keys, part.flipped),
+        _slice(v, part.keys, part.flipped),
+        _slice(out_in, part.rows, part.flipped),
+        row_lse.flip(-1) if part.flipped else row_lse,
+        0.0,  # dropout_p
+        part.causal,  # is_causal
+        scale=plan.scale,
+    )
+    if part.flipped:  # keys after the query ran on reversed sequences
+        dq_p, dk_p, dv_p = dq_p.flip(2), dk_p.flip(2), dv_p.flip(2)
+    dq[:, :, rows] += dq_p
+    dk[:, :, keys] += dk_p
+    dv[:, :, keys] += dv_p
+    share = (lse_p - lse[:, :, rows]).exp()  # [B, H, rows]: the part's total probability under the merged softmax
+    dweight[:, part.bucket] += (share * ((grad[:, :, rows] * out_p).sum(-1) - delta[:, :, rows])).sum((0, 2))
+
+
+def _band_grads(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                near_lse: torch.Tensor, probs: torch.Tensor, grad: torch.Tensor, delta: torch.Tensor, grads: tuple,
+                table_grad: bool) -> None:
+    """Add the near band's gradients to ``grads`` (dq, dk, dv, dweight), by hand, block by block; q, k, v and
+    ``grad`` in the working dtype. Blocks: n blocks of Bq queries, each against a window of W keys."""
+    dq, dk, dv, dweight = grads
+    band, heads, kv_heads, length = plan.band, q.shape[1], k.shape[1], q.shape[2]
     weight_share = _to_blocks((near_lse - lse).exp()[..., None], band, kv_heads)  # [B, Hkv, n, G*Bq, 1]
-    probs = probs * weight_share  # band probabilities under the merged softmax
-    grad_b = _to_blocks(grad, band, kv_heads)
-    kw, vw = _windows(k, band), _windows(v, band)
-    dscores = torch.matmul(grad_b, vw.transpose(-1, -2))
-    dscores = dscores.sub_(_to_blocks(delta[..., None], band, kv_heads)).mul_(probs)
-    qb = _to_blocks(q, band, kv_heads)
-    dq += _from_blocks(torch.matmul(dscores, kw), band, heads, length) * plan.scale
-    dk += _fold(torch.matmul(dscores.transpose(-1, -2), qb), band, plan.kv_len) * plan.scale
-    dv += _fold(torch.matmul(probs.transpose(-1, -2), grad_b), band, plan.kv_len)
-    if ctx.needs_input_grad[3]:
+    probs = probs * weight_share  # [B, Hkv, n, G*Bq, W]: band probabilities under the merged softmax
+    grad_b = _to_blocks(grad, band, kv_heads)  # [B, Hkv, n, G*Bq, D]
+    kw, vw = _windows(k, band), _windows(v, band)  # [B, Hkv, n, W, D] each
+    dscores = torch.matmul(grad_b, vw.transpose(-1, -2))  # dP [B, Hkv, n, G*Bq, W]
+    dscores = dscores.sub_(_to_blocks(delta[..., None], band, kv_heads)).mul_(probs)  # dS = P * (dP - delta)
+    qb = _to_blocks(q, band, kv_heads)  # [B, Hkv, n, G*Bq, D]
+    dq += _from_blocks(torch.matmul(dscores, kw), band, heads, length) * plan.scale  # [B, H, q, D]
+    dk += _fold(torch.matmul(dscores.transpose(-1, -2), qb), band, plan.kv_len) * plan.scale  # [B, Hkv, kv, D]
+    dv += _fold(torch.matmul(probs.transpose(-1, -2), grad_b), band, plan.kv_len)  # [B, Hkv, kv, D]
+    if table_grad:  # each bias entry's gradient is the sum of dS over the scores it was added to
         batch, _, blocks, _, width = dscores.shape
         per_entry = dscores.view(batch, kv_heads, blocks, heads // kv_heads, band.block, width).sum((0, 2))
-        dweight.index_add_(1, band.bucket_ids.flatten(), per_entry.reshape(heads, -1))
-    return dq.to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2]), dweight, None, None
+        dweight.index_add_(1, band.bucket_ids.flatten(), per_entry.reshape(heads, -1))  # [H, Bq * W] by bucket
 
 
 def fused_t5_attention(

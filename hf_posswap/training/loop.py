@@ -6,10 +6,12 @@ import json
 import math
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
 from ..persistence.quiet import LOSS_TYPE_NOTE, SHARED_TENSOR_NOTE, hidden_logs
@@ -43,7 +45,7 @@ from .resume import (
     say,
     truncate_loss_log,
 )
-from .state import CHECKPOINTS, PROCESS_COUNT, latest_checkpoint, publish_checkpoint, save_result, staging_dir
+from .run_checkpoints import CHECKPOINTS, PROCESS_COUNT, latest_checkpoint, publish_checkpoint, save_result, staging_dir
 
 
 class EpochShuffle(Sampler[int]):
@@ -117,10 +119,59 @@ def _own_output(output: Path, accelerator, config: FinetuneConfig) -> OutputLock
     return lock
 
 
-def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str], objective: str) -> dict[str, Any]:
-    from transformers import get_scheduler
+class RunPosition(TypedDict):
+    """Where a run stands (saved with every checkpoint): optimizer steps done, the epoch, batches read in it."""
 
+    step: int
+    epoch: int
+    batches_in_epoch: int
+
+
+@dataclass
+class TrainingParts:
+    """What the loop trains with, each passed through ``accelerator.prepare``."""
+
+    model: nn.Module
+    teacher: nn.Module | None  # distillation: the model before the swap / extension, frozen
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    train_loader: DataLoader
+    eval_loader: DataLoader | None
+    trainable: list[nn.Parameter]  # after prepare: FSDP replaces parameters by shards
+
+
+def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str], objective: str) -> dict[str, Any]:
+    """Load and prepare the model, train it from the start or the resumed checkpoint, save the result."""
     resume = plan_resume(config, output, accelerator) if config.resume else None
+    model, tokenizer, teacher = _prepared_model(config, objective, accelerator)
+    parts = _training_parts(config, accelerator, model, teacher, tokenizer, documents, objective)
+    position: RunPosition = {"step": 0, "epoch": 0, "batches_in_epoch": 0}
+    checkpoint = None
+    if resume is not None:
+        checkpoint, position = load_checkpoint(accelerator, resume, config)
+    first_step = position["step"]  # 0, or the step a resumed run continues from
+    _start_record(config, accelerator, output, position["step"], resume)
+    with hidden_logs("transformers.modeling_utils", LOSS_TYPE_NOTE):  # GPT-2's head has the usual loss all the same
+        last_loss, eval_loss = _train(config, accelerator, output, objective, parts, position, checkpoint)
+        if parts.eval_loader is not None:
+            eval_loss = _evaluate(parts.model, parts.eval_loader, objective, accelerator)
+    if not all_finite(parts.trainable):
+        raise diverged(position["step"], "final weights' value", math.nan, config, _last_saved(output))
+    result_dir = save_result(accelerator, parts.model, tokenizer, output, config)
+    checksum = float(sum(whole_tensor(p).detach().double().sum() for p in parts.trainable))  # equal in every process
+    return {
+        "train_loss": last_loss,
+        "eval_loss": eval_loss,
+        "output": str(result_dir),
+        "steps": position["step"],
+        "first_step": first_step,
+        "parameter_checksum": checksum,
+    }
+
+
+def _prepared_model(config: FinetuneConfig, objective: str, accelerator) -> tuple[nn.Module, Any, nn.Module | None]:
+    """The model to train (loaded, swapped or extended as asked, LoRA-wrapped, fit for sharding), its tokenizer,
+    and the distillation teacher (the model as loaded; None without ``distill``)."""
     model, tokenizer = _load_model(config, objective, accelerator)
     check_vocabulary(model, tokenizer, config.model)
     if config.distill and config.distill_weight > 0 and (config.scheme or config.extend_to):
@@ -133,6 +184,13 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
     if config.lora:
         model = with_lora(model, config)
     fit_for_sharding(model, accelerator, config)
+    return model, tokenizer, teacher
+
+
+def _training_parts(config: FinetuneConfig, accelerator, model: nn.Module, teacher: nn.Module | None, tokenizer,
+                    documents: list[str], objective: str) -> TrainingParts:
+    """The data packed into loaders, AdamW over the trainable parameters and the learning-rate schedule, prepared."""
+    from transformers import get_scheduler
 
     token_ids = pack(documents, tokenizer, config.seq_len)
     train_set, eval_set = train_eval_split(token_ids, config.seq_len, config.eval_fraction)
@@ -145,36 +203,13 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
     scheduler = get_scheduler(config.lr_schedule, optimizer, config.warmup_steps, config.steps)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
-    trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP's prepare replaces them by shards
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
-
-    position, checkpoint = {"step": 0, "epoch": 0, "batches_in_epoch": 0}, None
-    if resume is not None:
-        checkpoint, position = load_checkpoint(accelerator, resume, config)
-    first_step = position["step"]  # 0, or the step a resumed run continues from
-    _start_record(config, accelerator, output, position["step"], resume)
-    parts = {"model": model, "teacher": teacher, "optimizer": optimizer, "scheduler": scheduler,
-             "train_loader": train_loader, "eval_loader": eval_loader, "trainable": trainable}
-    with hidden_logs("transformers.modeling_utils", LOSS_TYPE_NOTE):  # GPT-2's head has the usual loss all the same
-        last_loss, eval_loss = _train(config, accelerator, output, objective, parts, position, checkpoint)
-        if eval_loader is not None:
-            eval_loss = _evaluate(model, eval_loader, objective, accelerator)
-    if not all_finite(trainable):
-        raise diverged(position["step"], "final weights' value", math.nan, config, _last_saved(output))
-    result_dir = save_result(accelerator, model, tokenizer, output, config)
-    checksum = float(sum(whole_tensor(p).detach().double().sum() for p in trainable))  # equal in every process
-    return {
-        "train_loss": last_loss,
-        "eval_loss": eval_loss,
-        "output": str(result_dir),
-        "steps": position["step"],
-        "first_step": first_step,
-        "parameter_checksum": checksum,
-    }
+    trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP's prepare replaces them by shards
+    return TrainingParts(model, teacher, optimizer, scheduler, train_loader, eval_loader, trainable)
 
 
-def _train(config, accelerator, output: Path, objective: str, parts: dict[str, Any], position: dict[str, int],
+def _train(config, accelerator, output: Path, objective: str, parts: TrainingParts, position: RunPosition,
            checkpoint: Path | None) -> tuple[float, float | None]:
     """The optimisation loop from ``position`` to ``config.steps``; stops before applying or saving a non-finite
     state."""
@@ -185,10 +220,12 @@ def _train(config, accelerator, output: Path, objective: str, parts: dict[str, A
         progress.close()  # also before an error, so that its message starts on a line of its own
 
 
-def _steps(config, accelerator, output: Path, objective: str, parts: dict[str, Any], position: dict[str, int],
+def _steps(config, accelerator, output: Path, objective: str, parts: TrainingParts, position: RunPosition,
            checkpoint: Path | None, progress) -> tuple[float, float | None]:
-    model, optimizer, scheduler = parts["model"], parts["optimizer"], parts["scheduler"]
-    train_loader, eval_loader, trainable = parts["train_loader"], parts["eval_loader"], parts["trainable"]
+    """Step until ``config.steps``: each update checked, logged and (every ``save_every``) checkpointed; an epoch
+    that runs out of batches starts the next one."""
+    model, optimizer, scheduler = parts.model, parts.optimizer, parts.scheduler
+    train_loader, eval_loader, trainable = parts.train_loader, parts.eval_loader, parts.trainable
     last_loss, eval_loss = logged_loss(output, position["step"]) if position["step"] else math.nan, None
     while position["step"] < config.steps:
         train_loader.set_epoch(position["epoch"])
@@ -196,7 +233,7 @@ def _steps(config, accelerator, output: Path, objective: str, parts: dict[str, A
         for batch in batches:
             position["batches_in_epoch"] += 1
             with accelerator.accumulate(model):
-                loss = _loss(model, parts["teacher"], batch, objective, config, _pose_generator(config, position))
+                loss = _loss(model, parts.teacher, batch, objective, config, _pose_generator(config, position))
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     _check_gradients(accelerator, trainable, config, position["step"] + 1, checkpoint)
@@ -227,7 +264,7 @@ def _steps(config, accelerator, output: Path, objective: str, parts: dict[str, A
     return last_loss, eval_loss
 
 
-def _pose_generator(config: FinetuneConfig, position: dict[str, int]) -> torch.Generator:
+def _pose_generator(config: FinetuneConfig, position: RunPosition) -> torch.Generator:
     """The PoSE skips of a batch drawn from (seed, epoch, batch in the epoch) alone, so a resumed run draws the same
     position ids as one that never stopped."""
     seed = config.seed + 1_000_003 * position["epoch"] + 7919 * position["batches_in_epoch"]
@@ -334,7 +371,7 @@ def _log(output: Path, record: dict[str, Any], accelerator) -> None:
             handle.write(json.dumps(record) + "\n")
 
 
-def _save_checkpoint(accelerator, output: Path, position: dict[str, int]) -> Path:
+def _save_checkpoint(accelerator, output: Path, position: RunPosition) -> Path:
     staging = staging_dir(output, position["step"])
     if accelerator.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)

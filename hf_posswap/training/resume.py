@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import PosSwapError
 from .config import RESUME_SAFE, RUN_CONTROL, FinetuneConfig
 from .guards import previous_run_files
-from .state import (
+from .run_checkpoints import (
     PROCESS_COUNT,
     TrainingCheckpointError,
     checkpoints_newest_first,

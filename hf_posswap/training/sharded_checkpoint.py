@@ -2,7 +2,7 @@
 
 Each process writes its own shards of the model and optimizer state (``get_state_dict`` gives the sharded views,
 ``set_state_dict`` puts them back); no process ever holds the whole model. The layout and the atomicity are those of
-the accelerate checkpoints (:mod:`hf_posswap.training.state`): everything is written to
+the accelerate checkpoints (:mod:`hf_posswap.training.run_checkpoints`): everything is written to
 ``<output>/checkpoints/.staging-step-N``, then rank 0 writes ``trainer_state.json``, renames the directory to
 ``step-N`` and points ``checkpoints/latest`` at it. A run killed during a save leaves the previous checkpoint and
 the pointer as they were. Reference: PyTorch "Getting started with Distributed Checkpoint (DCP)".
@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from .state import CHECKPOINTS, STATE_FILE, publish_checkpoint, staging_dir
+from .run_checkpoints import CHECKPOINTS, STATE_FILE, publish_checkpoint, staging_dir
 
 #: the file DCP writes last (the index of every shard); a directory without it is not a checkpoint
 DCP_METADATA = ".metadata"

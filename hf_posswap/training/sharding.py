@@ -138,7 +138,7 @@ def save_full_model(model: nn.Module, directory: str | Path, tokenizer: Any = No
     Every process must call it."""
     import torch.distributed as dist
 
-    from .state import _fresh_staging, _swap_in
+    from .run_checkpoints import _fresh_staging, _swap_in
 
     state = full_state_dict(model)
     target = Path(directory)

@@ -67,7 +67,7 @@ def kill_during_save(step: int | None) -> None:
     import torch.distributed.checkpoint as dcp
 
     import hf_posswap.training.loop as loop
-    from hf_posswap.training.state import staging_dir
+    from hf_posswap.training.run_checkpoints import staging_dir
 
     if step is None or os.environ.get("LOCAL_RANK") != "1":
         return

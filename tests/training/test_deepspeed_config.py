@@ -18,7 +18,7 @@ from hf_posswap.training.deepspeed_config import (
     missing_checkpoint_files,
     restore_scalars,
 )
-from hf_posswap.training.state import TrainingCheckpointError, _check_files
+from hf_posswap.training.run_checkpoints import TrainingCheckpointError, _check_files
 
 
 def options(section: dict, grad_accum: int = 1, max_grad_norm: float = 1.0) -> dict:

@@ -248,7 +248,7 @@ def test_zero3_final_model_is_the_gathered_shards_and_reloads_with_its_scheme(ru
 
 @pytest.mark.slow
 def test_zero3_resume_from_a_deepspeed_checkpoint_gives_the_same_losses(runs: dict) -> None:
-    from hf_posswap.training.state import checkpoints_newest_first
+    from hf_posswap.training.run_checkpoints import checkpoints_newest_first
 
     root, resumed = runs["root"], Path(runs["resumed"])
     straight = root / f"zero3-{RESUMED[0]}-{RESUMED[1]}"

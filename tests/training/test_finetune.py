@@ -21,7 +21,7 @@ import hf_posswap as ps
 from hf_posswap.persistence.adapters import load_adapter, trainable_position_modules
 from hf_posswap.training import FinetuneConfig, finetune
 from hf_posswap.training.losses import pose_position_ids
-from hf_posswap.training.state import latest_checkpoint
+from hf_posswap.training.run_checkpoints import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,7 +120,7 @@ DRIVER = textwrap.dedent("""
     import os, sys
     from hf_posswap.training import FinetuneConfig, finetune
     import hf_posswap.training.loop as loop
-    from hf_posswap.training.state import publish_checkpoint
+    from hf_posswap.training.run_checkpoints import publish_checkpoint
     kill_at = int(os.environ.get("KILL_AT_STEP", "0"))
 
     def publish_then_die(output, step, state, keep=2):
