@@ -370,6 +370,11 @@ class PositionForward:
     def __wrapped__(self) -> Callable[..., Any]:
         return self.previous if self.previous is not None else type(self.base).forward.__get__(self.base)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "hook" in state:  # a model pickled (torch.save) by a release that called ``inputs`` ``hook``
+            state["inputs"] = state.pop("hook")
+        self.__dict__.update(state)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active:
             return self._forward(args, kwargs)
@@ -382,3 +387,7 @@ class PositionForward:
         if self.previous is not None:
             return self.previous(*args, **kwargs)
         return type(self.base).forward(self.base, *args, **kwargs)
+
+
+#: the name pickles (``torch.save(model)``) of earlier releases give PositionInputs
+PositionHook = PositionInputs

@@ -37,7 +37,7 @@ from .layer_plan import scale_rope_parts
 from .learned_tables import grow_table, trained_rows
 from .native import PEFT_SAVED_COPIES, check_loaded, install_native_restorers, record_is_native, unwrap_peft
 from .state import CONFIG_RECORD, SwapState, swap_state
-from .swap import swap
+from .swap import refuse_dropping_adapter_copies, swap
 
 TABLE_METHODS = ("interpolate", "copy")
 #: 2^24: float32 represents every integer position up to here, and no further
@@ -70,7 +70,11 @@ def extend_context(model: nn.Module, max_positions: int, method: str | None = No
     if isinstance(rope, RopeConfig) and rope.scaling is not None:
         record["scaling"] = rope.scaling.to_dict()
     if new_config is not None:  # lift keeps the installed modules (and their trained weights) as they are
+        if state is not None and wrapper is not model:
+            refuse_dropping_adapter_copies(model, state)  # re-installing would throw the adapter's copies away
+        kept = _position_parameters(model, state)
         _reswap(model, new_config, replace=state is not None)
+        _restore_position_parameters(model, kept, freeze_new=wrapper is not model)
     if fill_table is not None:
         fill_table()
     _apply_length_edits(model, adapter, method, original, max_positions, record)
@@ -125,6 +129,30 @@ def _extension_plan(model: nn.Module, max_positions: int, method: str | None, op
             f"Unknown extension method '{method}'. Methods: {', '.join(available_extension_methods())}."
         )
     return _ExtensionPlan(adapter, state, method, original, new_config, fill_table)
+
+
+def _position_parameters(model: nn.Module, state: SwapState | None) -> dict[str, nn.Parameter]:
+    """The swap's own parameters by name (a mix's T5 tables, ALiBi slopes, FIRE's MLP): a RoPE scaling re-installs
+    the whole scheme, and only its RoPE parts may change."""
+    names = {name for name, _, _ in state.new_parameters} if state is not None else set()
+    return {name: param for name, param in model.named_parameters() if name in names}
+
+
+def _restore_position_parameters(model: nn.Module, kept: dict[str, nn.Parameter], freeze_new: bool) -> None:
+    """Give the re-installed modules the trained values (and trainability) of ``kept``, matched by name and shape;
+    under a peft adapter (``freeze_new``) a parameter with no counterpart (a grown learned table, rebuilt from the
+    base's own) is frozen like every base weight, as the adapter neither trains nor saves it."""
+    installed = {name for name, _, _ in swap_state(model).new_parameters}  # type: ignore[union-attr]
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name not in installed:
+                continue
+            old = kept.get(name)
+            if old is not None and old is not param and old.shape == param.shape:
+                param.copy_(old)
+                param.requires_grad_(old.requires_grad)
+            elif freeze_new:
+                param.requires_grad_(False)
 
 
 def _reswap(model: nn.Module, config: SchemeConfig, replace: bool) -> None:

@@ -43,12 +43,12 @@ def trained_rows(grown: torch.Tensor, original: int, method: str | None) -> torc
     """
     if method != "interpolate" or grown.shape[0] == original or original < 2:
         return grown[:original].clone()
-    target = grown.detach().to(torch.float64)  # [N, hidden]
+    target = grown.detach().to("cpu", torch.float64)  # [N, hidden]; solved on the CPU whatever the table's device
     low, low_weight, high_weight = _interpolation_weights(grown.shape[0], original)
     solution = _least_squares_ungrow(target, original, low, low_weight, high_weight)  # [L0, hidden]
     regrown = low_weight[:, None] * solution[low] + high_weight[:, None] * solution[low + 1]  # [N, hidden]
     residual = (regrown - target).abs().max()
-    tolerance = 4 * torch.finfo(grown.dtype).eps * max(float(target.abs().max()), 1e-30)
+    tolerance = 4 * torch.finfo(_saved_precision(grown)).eps * max(float(target.abs().max()), 1e-30)
     if float(residual) > tolerance:
         raise InvalidConfigError(
             f"This model's learned position table was grown from {original} to {grown.shape[0]} positions by "
@@ -56,7 +56,17 @@ def trained_rows(grown: torch.Tensor, original: int, method: str | None) -> torc
             f"grown from is not saved with a checkpoint, so it cannot be grown again from its {original} trained "
             "positions. Extend the checkpoint it was grown from instead."
         )
-    return solution.to(grown.dtype)
+    return solution.to(grown.device, grown.dtype)
+
+
+def _saved_precision(table: torch.Tensor) -> torch.dtype:
+    """The coarsest dtype that holds every value of ``table`` exactly: a table grown in bfloat16 and loaded in
+    float32 still carries bfloat16's rounding, and its precision is bfloat16's."""
+    for dtype in (torch.bfloat16, torch.float16):  # coarsest first
+        coarser = torch.finfo(dtype).eps > torch.finfo(table.dtype).eps
+        if coarser and torch.equal(table.to(dtype).to(table.dtype), table):
+            return dtype
+    return table.dtype
 
 
 def _interpolation_weights(length: int, original: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

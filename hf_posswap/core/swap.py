@@ -97,6 +97,10 @@ def swap(
             same as ``LayerMix(default=<native RoPE>, overrides=[(scheme, layers)])``.
         **options: fields of the scheme's config (``swap(model, "t5", num_buckets=64)``).
 
+    The model gets its own copy of its config (transformers lets several models share one config object, and the
+    swap must change only this one): while it is swapped, change settings through ``model.config``. ``unswap`` puts
+    the original object back, with those changes.
+
     Raises:
         UnknownSchemeError, InvalidOptionError, InvalidConfigError, UnsupportedFamilyError,
         IncompatibleAttentionError, AlreadySwappedError. On any error the model is left exactly as it was.
@@ -116,7 +120,7 @@ def swap(
         )
     under_peft = wrapper is not model
     if under_peft and previous is not None:
-        _refuse_dropping_adapter_copies(model, previous)
+        refuse_dropping_adapter_copies(model, previous)
     setattr(model, STATE_ATTR, _install_in_place_of(model, adapter, config, previous, under_peft))
     install_native_restorers(model)  # native weights a reloaded checkpoint never held stay flagged for unswap
     return wrapper
@@ -159,7 +163,7 @@ def _install_in_place_of(model: nn.Module, adapter: FamilyAdapter, config: Schem
         raise
 
 
-def _refuse_dropping_adapter_copies(model: nn.Module, previous: SwapState) -> None:
+def refuse_dropping_adapter_copies(model: nn.Module, previous: SwapState) -> None:
     """A peft adapter that trains the earlier swap's position module (``modules_to_save``) holds its copy in a
     wrapper that undoing the swap would throw away."""
     wrapped = [name for name, module in model.named_modules() if hasattr(module, PEFT_SAVED_COPIES)]

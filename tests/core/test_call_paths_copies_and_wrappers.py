@@ -155,6 +155,20 @@ def test_swap_and_unswap_through_a_peft_wrapper(family: str) -> None:
         torch.testing.assert_close(peft_model(**inputs).logits, make_model(family)(**inputs).logits)
 
 
+def test_a_model_pickled_under_the_earlier_names_loads() -> None:
+    """torch.save(model) pickles the wrapper by class and attribute names; a release that renamed them still loads
+    the older pickles (PositionHook -> PositionInputs, PositionForward.hook -> .inputs)."""
+    from hf_posswap.core import context
+
+    model = swapped("llama", "alibi")
+    forward = model.base_model.forward
+    state = dict(vars(forward))
+    state["hook"] = state.pop("inputs")
+    older = object.__new__(type(forward))
+    older.__setstate__(state)
+    assert older.inputs is forward.inputs and context.PositionHook is context.PositionInputs
+
+
 def test_a_swap_through_a_peft_wrapper_never_loses_trained_position_weights() -> None:
     """Position parameters added under an adapter would train but never be saved with it, and replacing a swap whose
     module the adapter trains (modules_to_save) would drop the adapter's copy: both refused, the model unchanged."""

@@ -234,6 +234,20 @@ def test_a_reloaded_grown_table_grows_again_from_the_trained_rows(tmp_path: Path
     torch.testing.assert_close(grown, grow_table(trained, 4 * MAX_POSITIONS, method), **precision)
 
 
+@pytest.mark.parametrize("grown_in", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_table_grown_in_half_precision_grows_again_after_a_float32_reload(tmp_path: Path,
+                                                                            grown_in: torch.dtype) -> None:
+    """finetune loads in float32: the saved table carries half precision's rounding, which is not a change."""
+    model = make_model("gpt2").to(grown_in)
+    trained = learned_table(model).detach().float().clone()
+    ps.extend_context(model, 2 * MAX_POSITIONS)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ps.extend_context(reloaded, 4 * MAX_POSITIONS)
+    torch.testing.assert_close(learned_table(reloaded).detach(), grow_table(trained, 4 * MAX_POSITIONS, "interpolate"),
+                               atol=2e-3, rtol=0)
+
+
 def test_a_table_changed_after_it_was_grown_is_not_grown_again(tmp_path: Path) -> None:
     model = make_model("gpt2")
     ps.extend_context(model, 2 * MAX_POSITIONS)
@@ -377,6 +391,36 @@ def test_extend_context_through_peft(family: str, scheme: str | None, method: st
     long_input = torch.randint(3, VOCAB, (1, 2 * MAX_POSITIONS - 4), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.isfinite(wrapped(input_ids=long_input).logits).all()
+    position_parameters = [name for name, param in wrapped.named_parameters()
+                           if param.requires_grad and ("wpe" in name or "posswap" in name)]
+    assert not position_parameters, "a grown table under an adapter is a frozen base weight (never saved by it)"
+
+
+def test_extending_a_mix_keeps_its_trained_position_weights() -> None:
+    """A RoPE scaling re-installs a layer mix to scale its RoPE parts; the other parts' trained weights stay."""
+    model = make_model("llama")
+    ps.swap(model, ps.LayerMix(default="t5", overrides=[("rope", [0])]))
+    tables = model.model.get_parameter("posswap_positions.parts.0.tables.0.weight")
+    with torch.no_grad():
+        tables.add_(1.0)  # as training would
+    tables.requires_grad_(False)
+    trained = tables.detach().clone()
+    ps.extend_context(model, 4 * MAX_POSITIONS, "yarn")
+    now = model.model.get_parameter("posswap_positions.parts.0.tables.0.weight")
+    assert now is not tables and torch.equal(now, trained) and not now.requires_grad
+
+
+def test_extending_a_mix_whose_module_an_adapter_trains_is_refused() -> None:
+    from peft import get_peft_model
+
+    model = make_model("llama")
+    ps.swap(model, ps.LayerMix(default="t5", overrides=[("rope", [0])]))
+    wrapped = get_peft_model(model, ps.lora_config(model))  # modules_to_save=["posswap_positions"]
+    before = fingerprint(wrapped.get_base_model())
+    with pytest.raises(ps.InvalidConfigError, match=r"position module\(s\) model.posswap_positions are trained by the "
+                                                    r"peft adapter"):
+        ps.extend_context(wrapped, 4 * MAX_POSITIONS, "yarn")
+    assert_untouched(wrapped.get_base_model(), before)
 
 
 def test_extend_refuses_a_table_that_peft_trains() -> None:
