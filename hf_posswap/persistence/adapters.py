@@ -20,6 +20,7 @@ from ..core.state import swap_state
 from ..errors import InvalidConfigError
 from ..families.base import get_family
 from .quiet import quiet_peft
+from .user_files import read_json
 
 ADAPTER_RECORD = "posswap_adapter.json"
 #: the model card peft writes beside an adapter
@@ -90,16 +91,7 @@ def load_adapter(base_model: nn.Module, directory: str | os.PathLike[str], **kwa
     directory = Path(directory)
     record_path = directory / ADAPTER_RECORD
     if record_path.exists():
-        try:
-            record = json.loads(record_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise InvalidConfigError(
-                f"{str(record_path)!r} cannot be read as JSON ({error}); restore it as hf_posswap.save_adapter wrote "
-                "it, or save the adapter again."
-            ) from None
-        if not isinstance(record, dict):
-            raise InvalidConfigError(f"{str(record_path)!r} holds {type(record).__name__}, not hf_posswap's adapter "
-                                     "record; restore it as hf_posswap.save_adapter wrote it.")
+        record = read_json(record_path, flag="load_adapter")  # one error naming the file, whatever is wrong with it
         state = swap_state(base_model)
         base_scheme = state.config.to_dict() if state else None
         if record.get("scheme") != base_scheme:

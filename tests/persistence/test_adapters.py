@@ -43,11 +43,11 @@ def test_a_non_empty_directory_needs_overwrite_and_keeps_the_users_files(adapted
     assert "peft" in (tmp_path / "fresh" / "README.md").read_text()
 
 
-@pytest.mark.parametrize(("content", "named"), [("{oops", "cannot be read as JSON"), ("[1, 2]", "holds list")])
+@pytest.mark.parametrize(("content", "named"), [("{oops", "is not valid JSON"), ("[1, 2]", "must hold a JSON object")])
 def test_a_damaged_adapter_record_is_named(adapted, tmp_path: Path, content: str, named: str) -> None:
     ps.save_adapter(adapted, tmp_path / "adapter")
     (tmp_path / "adapter" / "posswap_adapter.json").write_text(content)
     base = make_model("gpt2")
     ps.swap(base, "t5", num_buckets=16, max_distance=32)
-    with pytest.raises(ps.InvalidConfigError, match=f"posswap_adapter.json' {named}"):
+    with pytest.raises(ps.PosSwapError, match=f"posswap_adapter.json' {named}"):
         ps.load_adapter(base, tmp_path / "adapter")
