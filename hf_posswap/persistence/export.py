@@ -25,7 +25,8 @@ REMOTE_FILE = f"{REMOTE_MODULE}.py"
 BUNDLED = (
     "errors", "transformers_internals", "registry", "edits", "schemes/base", "schemes/rope_scaling",
     "schemes/two_pass", "schemes/learned", "schemes/sinusoidal", "schemes/nope", "schemes/rope", "schemes/kept_rows",
-    "schemes/denormals", "schemes/fused_alibi", "schemes/alibi", "schemes/fused_t5", "schemes/t5",
+    "schemes/denormals", "schemes/fused_alibi", "schemes/alibi", "schemes/fused_t5_plan", "schemes/fused_t5",
+    "schemes/t5",
     "schemes/kerple", "schemes/sandwich", "schemes/fire", "schemes/head_mix", "schemes/mix", "schemes/xpos",
     "schemes/proportional",
     "families/base", "families/gpt2", "families/bert", "families/llama", "families/gemma3",

@@ -10,9 +10,10 @@ is one constant per head (and per direction when bidirectional). Attention then 
 - a near band: keys within S of the query, computed per block of ``Bq`` queries against a window of
   ``Bq + span - 1`` keys with one small ``[H, Bq, W]`` bias shared by every block.
 
-The parts are merged by log-sum-exp. The backward runs the fused kernel's backward for each far part with the
-merged output and log-sum-exp (as ring attention does), differentiates the band by hand, and sums the table
-gradient per bucket over the band plus the far constants. Everything here is CPU; the caller
+The split is planned in :mod:`hf_posswap.schemes.fused_t5_plan`. The parts are merged by log-sum-exp. The
+backward runs the fused kernel's backward for each far part with the merged output and log-sum-exp (as ring
+attention does), differentiates the band by hand, and sums the table gradient per bucket over the band plus the far
+constants. Everything here is CPU; the caller
 (:meth:`hf_posswap.schemes.t5.T5RelativeBias.fused_attention`) declines other calls.
 
 Dtypes: q, k, v in float32, float64, bfloat16 or float16; the table ``weight`` in the *working dtype* (float32 for
@@ -24,14 +25,12 @@ to the model's dtype too, so this is at least as exact as it; measured in ``test
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-#: queries per band block (the band costs ``(Bq + span - 1) / span`` of its useful work; smaller blocks cost calls)
-BAND_BLOCK = 64
+from .fused_t5_plan import Band, FarPart, Plan
+
 #: band logits computed at once when no gradient is needed (2**22 float32 = 16 MiB)
 BAND_CHUNK_ELEMENTS = 1 << 22
 #: logit of a masked band entry: finite, so a fully masked (padding) row stays finite; exp() of it is exactly 0
@@ -39,107 +38,6 @@ MASKED = -1e30
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-BucketFn = Callable[[torch.Tensor], torch.Tensor]
-
-
-def saturation_distance(bucket_of: BucketFn, max_distance: int, sign: int) -> int:
-    """The first distance d >= 0 whose relative position ``sign * d`` falls in the bucket every farther distance
-    shares (``sign`` -1: keys before the query, +1: after). T5's buckets never decrease with distance."""
-    distances = torch.arange(max_distance + 2)
-    buckets = bucket_of(sign * distances)
-    return int((buckets == buckets[-1]).nonzero()[0])
-
-
-@dataclass(frozen=True)
-class FarPart:
-    """Queries ``rows`` against keys ``keys`` (half-open index ranges) with one bias constant per head (table
-    column ``bucket``). ``causal``: query ``r0 + x`` sees key ``k0 + y`` iff ``y <= x`` (sdpa's top-left causal);
-    ``flipped``: both ranges run backwards (query ``r1 - 1 - x`` sees key ``k1 - 1 - y`` iff ``y <= x``)."""
-
-    rows: tuple[int, int]
-    keys: tuple[int, int]
-    causal: bool
-    bucket: int
-    flipped: bool = False
-
-
-@dataclass(frozen=True)
-class Band:
-    """The near band: ``blocks`` blocks of ``block`` queries; block m's window holds keys ``first + m * block``
-    to ``first + m * block + width - 1``. ``bucket_ids``/``inside`` [block, width]: each window entry's bucket and
-    whether it is near (not masked). ``edges``: (block, columns outside ``[0, kv)``) for blocks that touch them."""
-
-    block: int
-    blocks: int
-    width: int
-    first: int
-    bucket_ids: torch.Tensor
-    inside: torch.Tensor
-    edges: tuple[tuple[int, torch.Tensor], ...]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How one call splits: the band, the far parts, the kv length and the softmax scale."""
-
-    band: Band
-    parts: tuple[FarPart, ...]
-    kv_len: int
-    scale: float
-
-
-def plan_attention(
-    q_len: int,
-    kv_len: int,
-    delta: int,
-    near: tuple[int, int],
-    far_buckets: tuple[int, int | None],
-    bucket_of: BucketFn,
-    scale: float,
-    block: int = BAND_BLOCK,
-) -> Plan:
-    """Split a call whose query i sits at position ``p + i`` and key j at ``p + delta + j``.
-
-    ``near`` = (lo, hi): relative positions (key - query) in [lo, hi] are the band (causal: hi = 0); farther ones
-    before the query take bucket ``far_buckets[0]``, after it ``far_buckets[1]`` (None: causal, none after).
-    """
-    lo, hi = near
-    block = max(1, min(block, q_len))
-    blocks = -(-q_len // block)
-    width = block + hi - lo
-    first = lo - delta  # key index of window column 0 in block 0 (relative = j - i + delta)
-    cols = torch.arange(width)
-    rel = cols[None, :] - torch.arange(block)[:, None] + lo  # [block, width] relative position of each entry
-    inside = (rel >= lo) & (rel <= hi)
-    edges = []
-    for m in range(blocks):
-        keys = first + m * block + cols
-        outside = (keys < 0) | (keys >= kv_len)
-        if bool(outside.any()):
-            edges.append((m, outside))
-    band = Band(block, blocks, width, first, bucket_of(rel), inside, tuple(edges))
-    parts = _far_before(q_len, kv_len, lo - 1 - delta, far_buckets[0])
-    if far_buckets[1] is not None and q_len - hi - 1 > 0:  # bidirectional (delta == 0, q_len == kv_len)
-        rows = q_len - hi - 1
-        parts.append(FarPart((0, rows), (hi + 1, kv_len), True, far_buckets[1], flipped=True))
-    return Plan(band, tuple(parts), kv_len, scale)
-
-
-def _far_before(q_len: int, kv_len: int, shift: int, bucket: int) -> list[FarPart]:
-    """Parts for keys j <= i + shift (at or past the saturation distance before the query)."""
-    first_row = max(0, -shift)
-    if first_row >= q_len:
-        return []
-    seen = first_row + shift  # keys [0, seen] are far for the first row
-    n_keys = min(kv_len, q_len + shift)
-    rows = (first_row, q_len)
-    if q_len - first_row == 1:
-        return [FarPart(rows, (0, n_keys), False, bucket)]
-    if seen == 0:
-        return [FarPart(rows, (0, n_keys), True, bucket)]
-    return [FarPart(rows, (0, seen), False, bucket), FarPart(rows, (seen, n_keys), True, bucket)]
-
 
 # -- layouts: [B, H, q, D] <-> blocks [B, Hkv, n, G*Bq, D]; keys [B, Hkv, kv, D] -> windows [B, Hkv, n, W, D] --
 

@@ -26,7 +26,8 @@ from .base import (
     require_int_at_least,
     spread,
 )
-from .fused_t5 import Plan, fused_t5_attention, plan_attention, saturation_distance
+from .fused_t5 import fused_t5_attention
+from .fused_t5_plan import Plan, plan_attention, saturation_distance
 from .kept_rows import kept_row, row_copy, row_slice
 
 

@@ -32,7 +32,8 @@ from .guards import (
     remove_previous_run,
     resolve_objective,
 )
-from .losses import distillation_kl, hidden_state_matching, pose_position_ids
+from .losses import batch_loss as _loss  # the name tests patch to inject a diverging step
+from .losses import collator, held_out_loss
 from .model import enable_checkpointing, prepare_positions, teacher_copy, with_lora
 from .model import load_model as _load_model  # the name tests patch to prove nothing loads before a refusal
 from .resume import (
@@ -154,7 +155,7 @@ def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str]
     with hidden_logs("transformers.modeling_utils", LOSS_TYPE_NOTE):  # GPT-2's head has the usual loss all the same
         last_loss, eval_loss = _train(config, accelerator, output, objective, parts, position, checkpoint)
         if parts.eval_loader is not None:
-            eval_loss = _evaluate(parts.model, parts.eval_loader, objective, accelerator)
+            eval_loss = held_out_loss(parts.model, parts.eval_loader, objective, accelerator)
     if not all_finite(parts.trainable):
         raise diverged(position["step"], "final weights' value", math.nan, config, _last_saved(output))
     result_dir = save_result(accelerator, parts.model, tokenizer, output, config)
@@ -195,7 +196,7 @@ def _training_parts(config: FinetuneConfig, accelerator, model: nn.Module, teach
     token_ids = pack(documents, tokenizer, config.seq_len)
     train_set, eval_set = train_eval_split(token_ids, config.seq_len, config.eval_fraction)
     sampler = EpochShuffle(len(train_set), config.seed)
-    collate = _collator(tokenizer, objective, config)
+    collate = collator(tokenizer, objective, config)
     train_loader = DataLoader(train_set, batch_size=config.batch_size, sampler=sampler, collate_fn=collate)
     eval_loader = DataLoader(eval_set, batch_size=config.batch_size, collate_fn=collate) if eval_set else None
 
@@ -249,7 +250,7 @@ def _steps(config, accelerator, output: Path, objective: str, parts: TrainingPar
                 raise diverged(position["step"], "training loss", last_loss, config, checkpoint)
             record: dict[str, Any] = {"step": position["step"], "loss": last_loss, "lr": scheduler.get_last_lr()[0]}
             if eval_loader is not None and config.eval_every and position["step"] % config.eval_every == 0:
-                eval_loss = record["eval_loss"] = _evaluate(model, eval_loader, objective, accelerator)
+                eval_loss = record["eval_loss"] = held_out_loss(model, eval_loader, objective, accelerator)
             _log(output, record, accelerator)
             progress.step(_losses_note(last_loss, eval_loss))
             if (config.save_every and position["step"] % config.save_every == 0) or position["step"] == config.steps:
@@ -282,74 +283,7 @@ def _check_gradients(accelerator, trainable, config: FinetuneConfig, step: int, 
         raise diverged(step, "gradient norm", value, config, checkpoint)
 
 
-# --- pieces ---------------------------------------------------------------------------------------------------
-
-
-def _collator(tokenizer, objective: str, config: FinetuneConfig):
-    if objective == "mlm":
-        from transformers import DataCollatorForLanguageModeling
-
-        masker = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=config.mlm_probability)
-        return lambda examples: _at_least_one_mask(masker([{"input_ids": e["input_ids"]} for e in examples]),
-                                                   tokenizer)
-
-    def causal(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        input_ids = torch.stack([e["input_ids"] for e in examples])  # [B, seq_len]
-        return {"input_ids": input_ids, "labels": input_ids.clone()}
-
-    return causal
-
-
-def _at_least_one_mask(batch: dict[str, torch.Tensor], tokenizer) -> dict[str, torch.Tensor]:
-    """A masked-LM batch with no masked token has a 0/0 (NaN) loss: mask its first token then."""
-    labels = batch["labels"]  # [B, seq_len], -100 where not masked
-    if bool((labels != -100).any()):
-        return batch
-    labels[0, 0] = batch["input_ids"][0, 0]
-    batch["input_ids"][0, 0] = tokenizer.mask_token_id
-    return batch
-
-
-def _loss(model, teacher, batch: dict[str, torch.Tensor], objective: str, config: FinetuneConfig, generator):
-    inputs = dict(batch)
-    if config.pose_target is not None:
-        batch_size, seq_len = inputs["input_ids"].shape
-        inputs["position_ids"] = pose_position_ids(batch_size, seq_len, config.pose_target, generator).to(
-            inputs["input_ids"].device
-        )
-        # Without an attention mask transformers reads position ids that jump as several sequences packed into one
-        # row (masking_utils.find_packed_sequence_indices) and masks attention across each jump; a PoSE row is one
-        # sequence whose positions skip ahead, so it gets an explicit all-ones mask.
-        inputs.setdefault("attention_mask", torch.ones_like(inputs["input_ids"]))
-    encoder_distill = teacher is not None and objective == "mlm"
-    inputs.update(_no_cache(objective))  # training builds no KV cache (and gradient checkpointing needs none)
-    outputs = model(**inputs, output_hidden_states=encoder_distill)
-    if teacher is None or config.distill_weight == 0:
-        return outputs.loss
-    with torch.no_grad():
-        reference = teacher(**{k: v for k, v in inputs.items() if k != "labels"}, output_hidden_states=encoder_distill)
-    if encoder_distill:
-        distill = hidden_state_matching(outputs.hidden_states[-1], reference.hidden_states[-1])
-    else:
-        distill = distillation_kl(outputs.logits, reference.logits, config.distill_temperature)
-    return (1 - config.distill_weight) * outputs.loss + config.distill_weight * distill
-
-
-def _no_cache(objective: str) -> dict[str, bool]:
-    """``use_cache=False`` for decoders (encoders have no cache to turn off)."""
-    return {"use_cache": False} if objective == "causal" else {}
-
-
-@torch.no_grad()
-def _evaluate(model, loader, objective: str, accelerator) -> float:
-    """Mean held-out loss of the plain objective (masked LM masks are drawn by the collator)."""
-    was_training = model.training
-    model.eval()
-    losses = []
-    for batch in loader:
-        losses.append(accelerator.gather(model(**batch, **_no_cache(objective)).loss.detach()[None]).mean().item())
-    model.train(was_training)
-    return float(sum(losses) / len(losses)) if losses else math.nan
+# --- progress, log and checkpoints ------------------------------------------------------------------------
 
 
 def _progress(config: FinetuneConfig, initial: int, accelerator) -> Progress:

@@ -13,7 +13,8 @@ from hf_posswap.core.paths import FUSED_ALIBI, FUSED_T5, record_paths
 from hf_posswap.schemes import fused_t5
 from hf_posswap.schemes import t5 as t5_module
 from hf_posswap.schemes.base import FusedCall
-from hf_posswap.schemes.fused_t5 import fused_t5_attention, saturation_distance
+from hf_posswap.schemes.fused_t5 import fused_t5_attention
+from hf_posswap.schemes.fused_t5_plan import saturation_distance
 from hf_posswap.schemes.t5 import T5RelativeBias, relative_position_bucket
 
 # fp32: the fused path sums in another order than the dense softmax; gradients of the tables sum over every entry
