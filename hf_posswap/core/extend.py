@@ -145,10 +145,10 @@ def _restore_position_parameters(model: nn.Module, kept: dict[str, nn.Parameter]
     installed = {name for name, _, _ in swap_state(model).new_parameters}  # type: ignore[union-attr]
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name not in installed:
-                continue
             old = kept.get(name)
-            if old is not None and old is not param and old.shape == param.shape:
+            if name not in installed or old is param:  # not the swap's, or the very parameter kept in place
+                continue
+            if old is not None and old.shape == param.shape:
                 param.copy_(old)
                 param.requires_grad_(old.requires_grad)
             elif freeze_new:
