@@ -110,8 +110,9 @@ class RingGroup:
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         mask = _local_mask(kwargs.get("attention_mask"))
         position_ids = _local_position_ids(kwargs.get("position_ids"), batch, length)
-        gathered = _all_gather_object((length, mask, position_ids), world, self.group)  # one collective a forward
+        gathered = _all_gather_object((length, mask, position_ids, batch), world, self.group)  # one a forward
         lengths = [item[0] for item in gathered]
+        _refuse_uneven_shards(lengths, [item[3] for item in gathered])
         starts = tuple(sum(lengths[:r]) for r in range(world))
         valid = padded = None
         if any(item[1] is not None for item in gathered):  # a rank without a mask: all its tokens are real
@@ -124,6 +125,22 @@ class RingGroup:
         masked = any(item[1] is not None for item in gathered)
         packed = explicit is not None and not masked and bool((explicit.diff(dim=-1) != 1).any())
         return RingShard(self.group, rank, world, starts, tuple(lengths), valid, padded, explicit, packed)
+
+
+def _refuse_uneven_shards(lengths: list[int], batches: list[int]) -> None:
+    """Every rank holds its shard of the same rows, at least one token of them (raised alike on every rank, which
+    all read the same gathered values, rather than one rank failing inside the model and the others on a lost
+    connection)."""
+    if len(set(batches)) > 1:
+        raise InvalidConfigError(
+            f"The ranks of the context-parallel group hold batches of {batches} rows: each rank holds its shard of "
+            "the same rows, so pass every rank the same batch."
+        )
+    if min(lengths) == 0:
+        raise InvalidConfigError(
+            f"A rank of the context-parallel group holds no token (shard lengths {lengths}): every rank needs at "
+            f"least one, so split a sequence of {sum(lengths)} tokens over at most that many ranks."
+        )
 
 
 def _local_mask(mask: Any) -> torch.Tensor | None:

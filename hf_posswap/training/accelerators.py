@@ -119,3 +119,14 @@ def _deepspeed_arguments(plugin) -> dict[str, Any]:
     from .deepspeed_config import process_group_kwargs
 
     return {"deepspeed_plugin": plugin, "kwargs_handlers": process_group_kwargs(torch.cuda.is_available())}
+
+
+def from_main_process(accelerator, value: Any) -> Any:
+    """The main process's ``value``, in every process (a barrier as well)."""
+    if accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    box = [value]
+    broadcast_object_list(box, from_process=0)
+    return box[0]

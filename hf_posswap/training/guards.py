@@ -8,6 +8,7 @@ weight stops the run before anything of that state is saved.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -317,3 +318,23 @@ def diverged(step: int, what: str, value: float, config: FinetuneConfig, last_go
 
 def finite(value: float) -> bool:
     return math.isfinite(value)
+
+
+def check_same_settings(accelerator, config: FinetuneConfig) -> None:
+    """Every process must run the same settings: one started with others (another ``--lr`` in a per-node launch
+    file, say) trains a replica that drifts apart while the run reports success. Refused in every process, naming
+    each setting that differs and its value in each process."""
+    if accelerator.num_processes == 1:
+        return
+    from accelerate.utils import gather_object
+
+    mine = dataclasses.asdict(config)
+    everyone = gather_object([mine])  # one dict per process, in process order
+    differing = [name for name in mine if any(settings[name] != mine[name] for settings in everyone)]
+    if differing:
+        described = "; ".join(
+            f"{name} " + ", ".join(f"{settings[name]!r} in process {rank}" for rank, settings in enumerate(everyone))
+            for name in differing
+        )
+        raise InvalidConfigError(f"The processes of this run were started with different settings ({described}); "
+                                 "start every process with the same arguments.")

@@ -14,10 +14,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
+from ..errors import PosSwapError
 from ..persistence.quiet import LOSS_TYPE_NOTE, SHARED_TENSOR_NOTE, hidden_logs
 from ..progress import Progress, is_terminal, library_bars
 from .accelerate_config import accelerate_environment_kept
-from .accelerators import fit_for_sharding, fresh_accelerate_state, make_accelerator, sharding_plugins, whole_tensor
+from .accelerators import (
+    fit_for_sharding,
+    fresh_accelerate_state,
+    from_main_process,
+    make_accelerator,
+    sharding_plugins,
+    whole_tensor,
+)
 from .config import FinetuneConfig
 from .data import expand_paths, pack, read_documents, train_eval_split
 from .guards import (
@@ -26,6 +34,7 @@ from .guards import (
     check_model_path,
     check_output,
     check_positions,
+    check_same_settings,
     check_sequence_length,
     check_vocabulary,
     diverged,
@@ -50,20 +59,26 @@ from .run_checkpoints import CHECKPOINTS, PROCESS_COUNT, latest_checkpoint, publ
 
 
 class EpochShuffle(Sampler[int]):
-    """A permutation per epoch from ``seed + epoch``: the same order in every process and after a resume."""
+    """A permutation per epoch from ``seed + epoch``: the same order in every process and after a resume.
 
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed, self.epoch = size, seed, 0
+    Each epoch is a whole number of global batches (``global_batch`` = rows per batch x processes): the last one is
+    completed with the epoch's first rows. accelerate does that itself in several processes (its ``even_batches``)
+    but not in one, where the last batch would be short; doing it here for every process count makes one process
+    and N read the same rows at every step, past the end of an epoch too."""
+
+    def __init__(self, size: int, seed: int, global_batch: int = 1) -> None:
+        self.size, self.seed, self.global_batch, self.epoch = size, seed, global_batch, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.size, generator=generator).tolist())
+        order = torch.randperm(self.size, generator=generator).tolist()
+        return iter((order * math.ceil(len(self) / self.size))[: len(self)])
 
     def __len__(self) -> int:
-        return self.size
+        return math.ceil(self.size / self.global_batch) * self.global_batch
 
 
 def finetune(config: FinetuneConfig) -> dict[str, Any]:
@@ -91,6 +106,7 @@ def _accelerated(config: FinetuneConfig, fsdp, deepspeed, documents: list[str], 
     from accelerate.utils import set_seed
 
     accelerator = make_accelerator(config, fsdp, deepspeed)
+    check_same_settings(accelerator, config)
     set_seed(config.seed)
     output = Path(config.output).expanduser()
     lock = _own_output(output, accelerator, config)
@@ -105,18 +121,25 @@ def _accelerated(config: FinetuneConfig, fsdp, deepspeed, documents: list[str], 
 
 
 def _own_output(output: Path, accelerator, config: FinetuneConfig) -> OutputLock:
-    """Create and lock ``output`` (main process), checking again under the lock; all processes wait for it."""
+    """Create and lock ``output`` (main process), checking again under the lock; all processes wait for it. A
+    refusal there (another run holds the folder, say) is raised in every process, not only in the main one (where
+    the others would fail on its closed connection instead)."""
     lock = OutputLock(output)
+    refusal: PosSwapError | None = None
     if accelerator.is_main_process:
-        lock.create_folder()
-        lock.acquire()
         try:
+            lock.create_folder()
+            lock.acquire()
             check_output(config)  # again, under the lock: another run may have finished in between
-        except BaseException:
+        except BaseException as error:
             lock.discard_if_unused()
             lock.release()
-            raise
-    accelerator.wait_for_everyone()
+            if not isinstance(error, PosSwapError):
+                raise
+            refusal = error
+    refusal = from_main_process(accelerator, refusal)
+    if refusal is not None:
+        raise refusal
     return lock
 
 
@@ -139,6 +162,7 @@ class TrainingParts:
     train_loader: DataLoader
     eval_loader: DataLoader | None
     trainable: list[nn.Parameter]  # after prepare: FSDP replaces parameters by shards
+    train_batches: Any  # the training collator, told each epoch (masked LM draws its masks from it)
 
 
 def _run(config: FinetuneConfig, accelerator, output: Path, documents: list[str], objective: str) -> dict[str, Any]:
@@ -195,10 +219,13 @@ def _training_parts(config: FinetuneConfig, accelerator, model: nn.Module, teach
 
     token_ids = pack(documents, tokenizer, config.seq_len)
     train_set, eval_set = train_eval_split(token_ids, config.seq_len, config.eval_fraction)
-    sampler = EpochShuffle(len(train_set), config.seed)
-    collate = collator(tokenizer, objective, config)
-    train_loader = DataLoader(train_set, batch_size=config.batch_size, sampler=sampler, collate_fn=collate)
-    eval_loader = DataLoader(eval_set, batch_size=config.batch_size, collate_fn=collate) if eval_set else None
+    sampler = EpochShuffle(len(train_set), config.seed, config.batch_size * accelerator.num_processes)
+    train_batches = collator(tokenizer, objective, config)
+    train_loader = DataLoader(train_set, batch_size=config.batch_size, sampler=sampler, collate_fn=train_batches)
+    eval_loader = None
+    if eval_set:
+        eval_batches = collator(tokenizer, objective, config, held_out=True)
+        eval_loader = DataLoader(eval_set, batch_size=config.batch_size, collate_fn=eval_batches)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
@@ -207,7 +234,7 @@ def _training_parts(config: FinetuneConfig, accelerator, model: nn.Module, teach
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
     trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP's prepare replaces them by shards
-    return TrainingParts(model, teacher, optimizer, scheduler, train_loader, eval_loader, trainable)
+    return TrainingParts(model, teacher, optimizer, scheduler, train_loader, eval_loader, trainable, train_batches)
 
 
 def _train(config, accelerator, output: Path, objective: str, parts: TrainingParts, position: RunPosition,
@@ -228,13 +255,16 @@ def _steps(config, accelerator, output: Path, objective: str, parts: TrainingPar
     model, optimizer, scheduler = parts.model, parts.optimizer, parts.scheduler
     train_loader, eval_loader, trainable = parts.train_loader, parts.eval_loader, parts.trainable
     last_loss, eval_loss = logged_loss(output, position["step"]) if position["step"] else math.nan, None
+    micro_losses: list[torch.Tensor] = []  # of the micro-batches accumulated into the coming update
     while position["step"] < config.steps:
         train_loader.set_epoch(position["epoch"])
+        parts.train_batches.set_epoch(position["epoch"])
         batches = accelerator.skip_first_batches(train_loader, position["batches_in_epoch"])
         for batch in batches:
             position["batches_in_epoch"] += 1
             with accelerator.accumulate(model):
                 loss = _loss(model, parts.teacher, batch, objective, config, _pose_generator(config, position))
+                micro_losses.append(loss.detach())
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     _check_gradients(accelerator, trainable, config, position["step"] + 1, checkpoint)
@@ -245,7 +275,10 @@ def _steps(config, accelerator, output: Path, objective: str, parts: TrainingPar
             if not accelerator.sync_gradients:
                 continue
             position["step"] += 1
-            last_loss = accelerator.gather(loss.detach()[None]).mean().item()
+            # the update's loss: its micro-batches' mean (what the accumulated gradient is the gradient of), averaged
+            # over the processes
+            last_loss = accelerator.gather(torch.stack(micro_losses).mean()[None]).mean().item()
+            micro_losses.clear()
             if not math.isfinite(last_loss):
                 raise diverged(position["step"], "training loss", last_loss, config, checkpoint)
             record: dict[str, Any] = {"step": position["step"], "loss": last_loss, "lr": scheduler.get_last_lr()[0]}

@@ -3,7 +3,9 @@ batches they read and the held-out loss."""
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 
 import torch
 from torch import nn
@@ -39,20 +41,61 @@ def hidden_state_matching(student_hidden: torch.Tensor, teacher_hidden: torch.Te
     return nn.functional.mse_loss(student_hidden.float(), teacher_hidden.float())
 
 
-def collator(tokenizer, objective: str, config: FinetuneConfig):
-    """Batches of packed sequences: causal LM labels are the inputs; masked LM draws its masks here."""
-    if objective == "mlm":
-        from transformers import DataCollatorForLanguageModeling
+class CausalBatches:
+    """Causal-LM batches: the packed rows, labels the inputs (the model shifts them)."""
 
-        masker = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=config.mlm_probability)
-        return lambda examples: at_least_one_mask(masker([{"input_ids": e["input_ids"]} for e in examples]),
-                                                   tokenizer)
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing is drawn: the same for every epoch."""
 
-    def causal(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def __call__(self, examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         input_ids = torch.stack([e["input_ids"] for e in examples])  # [B, seq_len]
         return {"input_ids": input_ids, "labels": input_ids.clone()}
 
-    return causal
+
+class MaskedLMBatches:
+    """Masked-LM batches by BERT's rule (Devlin et al. 2019, arXiv:1810.04805, §3.1: ``probability`` of the tokens
+    chosen, special tokens never; of those 80 % become [MASK], 10 % a random token, 10 % stay), each row's draws
+    seeded by the run's seed, the epoch and the row's own tokens alone. So a row gets the same masks in whichever
+    process, batch or resumed run reads it (masks drawn from the global generator differ between one process and
+    several, and a resumed run redraws the batch read ahead before its checkpoint with a later state). The held-out
+    batches keep one epoch, so every evaluation scores the same masks."""
+
+    def __init__(self, tokenizer, probability: float, seed: int, epoch: int = 0) -> None:
+        self.tokenizer, self.probability, self.seed, self.epoch = tokenizer, probability, seed, epoch
+        self.special_ids = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __call__(self, examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        rows = [self._masked_row(e["input_ids"]) for e in examples]
+        batch = {"input_ids": torch.stack([r[0] for r in rows]), "labels": torch.stack([r[1] for r in rows])}
+        return at_least_one_mask(batch, self.tokenizer)  # [B, seq_len] each
+
+    def _masked_row(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) of one row [seq_len]: labels -100 where nothing is predicted."""
+        generator = torch.Generator().manual_seed(self._row_seed(row))
+        chosen = torch.rand(row.shape, generator=generator) < self.probability
+        chosen &= ~torch.isin(row, self.special_ids)
+        replace = torch.rand(row.shape, generator=generator)  # < 0.8: [MASK]; 0.8-0.9: random token; else kept
+        random_ids = torch.randint(len(self.tokenizer), row.shape, generator=generator, dtype=torch.long)
+        inputs = torch.where(chosen & (replace < 0.8), self.tokenizer.mask_token_id, row)
+        inputs = torch.where(chosen & (replace >= 0.8) & (replace < 0.9), random_ids, inputs)
+        return inputs, torch.where(chosen, row, -100)
+
+    def _row_seed(self, row: torch.Tensor) -> int:
+        """63 bits of a hash of (seed, epoch, the row's token ids): the same on every machine and Python."""
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update(struct.pack("<qq", self.seed, self.epoch))
+        digest.update(row.to(torch.int64).numpy().tobytes())
+        return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def collator(tokenizer, objective: str, config: FinetuneConfig, held_out: bool = False):
+    """The batches of one objective; ``held_out``: the masks of the held-out set, fixed for the whole run."""
+    if objective == "mlm":
+        return MaskedLMBatches(tokenizer, config.mlm_probability, config.seed, epoch=-1 if held_out else 0)
+    return CausalBatches()
 
 
 def at_least_one_mask(batch: dict[str, torch.Tensor], tokenizer) -> dict[str, torch.Tensor]:
@@ -98,13 +141,29 @@ def no_cache(objective: str) -> dict[str, bool]:
     return {"use_cache": False} if objective == "causal" else {}
 
 
+def token_losses(logits: torch.Tensor, labels: torch.Tensor, objective: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the summed negative log-likelihood of its scored tokens and how many there are ([B] each), as the
+    model's own loss scores them (causal LM: token t predicts label t + 1; -100 scores nothing)."""
+    if objective == "causal":
+        logits, labels = logits[:, :-1], labels[:, 1:]  # [B, L - 1, V], [B, L - 1]
+    nll = nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none")
+    return nll.sum(-1), (labels != -100).sum(-1)  # [B, L'] summed over tokens -> [B]
+
+
 @torch.no_grad()
 def held_out_loss(model, loader, objective: str, accelerator) -> float:
-    """Mean held-out loss of the plain objective (masked LM masks are drawn by the collator)."""
+    """Mean loss per scored token of the plain objective over the held-out set, each sequence counted once: the rows
+    accelerate repeats to give every process a full last batch are dropped (``gather_for_metrics``), so one process
+    and several give the same number."""
     was_training = model.training
     model.eval()
-    losses = []
-    for batch in loader:
-        losses.append(accelerator.gather(model(**batch, **no_cache(objective)).loss.detach()[None]).mean().item())
-    model.train(was_training)
-    return float(sum(losses) / len(losses)) if losses else math.nan
+    total, count = 0.0, 0
+    try:
+        for batch in loader:
+            inputs = {name: value for name, value in batch.items() if name != "labels"}
+            logits = model(**inputs, **no_cache(objective)).logits
+            sums, counts = accelerator.gather_for_metrics(token_losses(logits, batch["labels"], objective))
+            total, count = total + float(sums.double().sum()), count + int(counts.sum())
+    finally:
+        model.train(was_training)
+    return total / count if count else math.nan

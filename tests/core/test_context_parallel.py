@@ -282,6 +282,22 @@ def test_gapped_position_ids_without_a_mask_are_refused_in_a_causal_model(
     ring_plan(attention, query, key, value, context, shard, SCALE)
 
 
+@pytest.mark.parametrize(("other_rows", "other_length", "refusal"),
+                         [(2, 0, r"holds no token \(shard lengths \[8, 0\]\)"),
+                          (1, 8, r"batches of \[2, 1\] rows")], ids=["empty-shard", "other-batch"])
+def test_shards_of_other_rows_or_of_no_token_are_refused_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch, other_rows: int, other_length: int, refusal: str
+) -> None:
+    """Every rank reads the same gathered shapes, so every rank raises the same error (rather than one failing
+    inside the model and the other on the lost connection)."""
+    monkeypatch.setattr(context_parallel.dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(context_parallel.dist, "get_rank", lambda group: 0)
+    monkeypatch.setattr(context_parallel, "_all_gather_object",
+                        lambda item, world, group: [item, (other_length, None, None, other_rows)])
+    with pytest.raises(ps.InvalidConfigError, match=refusal):
+        RingGroup(group=object()).prepare({"input_ids": torch.zeros(2, 8, dtype=torch.long)}, None)
+
+
 def test_a_model_without_a_position_hook_is_refused() -> None:
     with pytest.raises(ps.InvalidConfigError, match="no hf_posswap position wrapper"):
         with ps.context_parallel(make_model("llama")):

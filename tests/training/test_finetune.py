@@ -214,6 +214,56 @@ def _train_two_processes(workspace: Path, folder: Path) -> Path:
 
 
 @pytest.mark.slow
+def test_two_processes_refuse_together(workspace, tmp_path) -> None:
+    """A refusal in one process of a run is the same one-line error in every process, before anything is written:
+    processes started with different settings (another --lr in process 1), and an output folder another run holds
+    (the lock is seen by the main process only; the others hear it from it)."""
+    from hf_posswap.training.guards import OutputLock
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    held = OutputLock(busy).acquire()
+    try:
+        folder = run_again_if_killed(lambda folder: _refusals_in_two_processes(workspace, folder, busy), tmp_path)
+    finally:
+        held.release()
+    reported = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    settings, locked = reported[0]["settings"], reported[0]["locked"]
+    assert [r["settings"] for r in reported] == [settings] * 2 and [r["locked"] for r in reported] == [locked] * 2
+    assert "InvalidConfigError" in settings and "lr 0.002 in process 0, 0.001 in process 1" in settings
+    assert "OutputDirError" in locked and "in use by another finetune run" in locked
+    assert not (folder / "mismatched").exists()
+    assert sorted(path.name for path in busy.iterdir()) == [".finetune.lock"]
+
+
+def _refusals_in_two_processes(workspace: Path, folder: Path, busy: Path) -> Path:
+    script = folder / "refusals.py"
+    script.write_text(textwrap.dedent(f"""
+        import json
+        import os
+        from hf_posswap.training import FinetuneConfig, finetune
+
+        rank = int(os.environ["RANK"])  # torchrun's; finetune sets accelerate's state up itself
+        common = dict(model={str(workspace / "gpt2")!r}, data=[{str(workspace / "corpus" / "*.txt")!r}],
+                      seq_len=32, batch_size=2, steps=2)
+        report = {{}}
+        mismatched = dict(output={str(folder / "mismatched")!r}, lr=2e-3 if rank == 0 else 1e-3)
+        for name, settings in (("settings", mismatched), ("locked", dict(output={str(busy)!r}))):
+            try:
+                finetune(FinetuneConfig(**common, **settings))
+                report[name] = "ran"
+            except Exception as error:
+                report[name] = f"{{type(error).__name__}}: {{error}}"
+        with open({str(folder)!r} + f"/rank{{rank}}.json", "w") as handle:
+            json.dump(report, handle)
+        """))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
+    run_launcher(command, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return folder
+
+
+@pytest.mark.slow
 def test_hf_trainer_runs_a_swapped_model(workspace, tmp_path) -> None:
     from transformers import Trainer, TrainingArguments
 
