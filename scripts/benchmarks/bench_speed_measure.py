@@ -31,6 +31,7 @@ from transformers import (
 )
 
 import hf_posswap as ps
+from hf_posswap.transformers_internals import CACHE_KWARG
 
 #: the case "scheme" that is not a swap: Self-Extend (Jin et al. 2024, arXiv:2401.01325) through extend_context
 SELF_EXTEND = "self-extend"
@@ -139,7 +140,9 @@ def time_decode(model: PreTrainedModel, input_ids: torch.Tensor, new_tokens: int
         start = clock(device)
         for step in range(new_tokens):
             token = out.logits[:, -1:].argmax(-1)
-            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True,
+            # the cache travels under the running release's name, in the output and as the argument
+            cache = {CACHE_KWARG: getattr(out, CACHE_KWARG)}
+            out = model(input_ids=token, **cache, use_cache=True,
                         attention_mask=torch.ones(1, length + step + 1, dtype=torch.long, device=device),
                         position_ids=torch.tensor([[length + step]], device=device))
     return clock(device) - start
