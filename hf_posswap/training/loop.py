@@ -263,7 +263,8 @@ def _steps(config, accelerator, output: Path, objective: str, parts: TrainingPar
         for batch in batches:
             position["batches_in_epoch"] += 1
             with accelerator.accumulate(model):
-                loss = _loss(model, parts.teacher, batch, objective, config, _pose_generator(config, position))
+                loss = _loss(model, parts.teacher, batch, objective, config, _pose_generator(config, position),
+                             (accelerator.process_index, accelerator.num_processes))
                 micro_losses.append(loss.detach())
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:

@@ -13,18 +13,23 @@ from torch import nn
 from .config import FinetuneConfig
 
 
-def pose_position_ids(batch_size: int, seq_len: int, target_len: int, generator: torch.Generator) -> torch.Tensor:
+def pose_position_ids(batch_size: int, seq_len: int, target_len: int, generator: torch.Generator,
+                      process: tuple[int, int] = (0, 1)) -> torch.Tensor:
     """PoSE (Zhu et al. 2024, arXiv:2309.10400, §3.2 with two chunks): each row is cut at a random point; the second
     chunk's positions skip ahead by u ~ U{0, target_len - seq_len}, so short sequences cover the target length.
-    Returns [B, seq_len] position ids whose last value is < target_len."""
+    Returns [B, seq_len] position ids whose last value is < target_len.
+
+    ``process`` = (index, count): the rows of the whole global batch are drawn and this process keeps its own, so
+    N processes draw what one process reading the global batch draws (not N copies of the same rows)."""
+    index, count = process
     rows = []
-    for _ in range(batch_size):
+    for _ in range(batch_size * count):
         cut = int(torch.randint(1, seq_len, (1,), generator=generator))
         skip = int(torch.randint(0, target_len - seq_len + 1, (1,), generator=generator))
         positions = torch.arange(seq_len)
         positions[cut:] += skip
         rows.append(positions)
-    return torch.stack(rows)
+    return torch.stack(rows)[index * batch_size:(index + 1) * batch_size]  # [B * count, seq_len] -> [B, seq_len]
 
 
 def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -109,13 +114,14 @@ def at_least_one_mask(batch: dict[str, torch.Tensor], tokenizer) -> dict[str, to
 
 
 def batch_loss(model, teacher, batch: dict[str, torch.Tensor], objective: str, config: FinetuneConfig,
-               generator: torch.Generator) -> torch.Tensor:
-    """The training loss of one batch: the objective's own loss (with PoSE position ids when asked), blended with
-    distillation from ``teacher`` by ``distill_weight``."""
+               generator: torch.Generator, process: tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """The training loss of one batch: the objective's own loss (with PoSE position ids when asked, this process's
+    rows of the global batch's draw: ``process`` = (index, count)), blended with distillation from ``teacher`` by
+    ``distill_weight``."""
     inputs = dict(batch)
     if config.pose_target is not None:
         batch_size, seq_len = inputs["input_ids"].shape
-        inputs["position_ids"] = pose_position_ids(batch_size, seq_len, config.pose_target, generator).to(
+        inputs["position_ids"] = pose_position_ids(batch_size, seq_len, config.pose_target, generator, process).to(
             inputs["input_ids"].device
         )
         # Without an attention mask transformers reads position ids that jump as several sequences packed into one

@@ -17,7 +17,7 @@ from torch.utils.data import BatchSampler, DataLoader
 
 from hf_posswap.evaluation import BYTE_VOCAB_SIZE, byte_tokenizer
 from hf_posswap.training.loop import EpochShuffle
-from hf_posswap.training.losses import CausalBatches, MaskedLMBatches, held_out_loss
+from hf_posswap.training.losses import CausalBatches, MaskedLMBatches, held_out_loss, pose_position_ids
 
 workspace = finetune_runs.workspace  # the shared fixture (assigned: ruff reads an imported one as unused)
 
@@ -46,6 +46,16 @@ def test_one_process_and_two_read_the_same_rows_at_every_step(rows: int) -> None
         assert together == single, f"epoch {epoch}"
         assert all(len(batch) == 4 for batch in single)
         assert set(sum(single, [])) == set(range(rows))  # every row read in every epoch
+
+
+def test_pose_rows_of_two_processes_are_the_rows_one_process_draws() -> None:
+    """Each process keeps its rows of the global batch's PoSE draw (one seed for all), not a copy of another's."""
+    def draw(process):
+        return pose_position_ids(2 if process else 4, 32, 256, torch.Generator().manual_seed(9), *process)
+
+    halves = [draw([(rank, 2)]) for rank in (0, 1)]
+    assert torch.equal(torch.cat(halves), draw([]))
+    assert not torch.equal(halves[0], halves[1])
 
 
 # --- masked LM ----------------------------------------------------------------------------------------------
