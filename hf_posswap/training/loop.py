@@ -264,7 +264,8 @@ def _steps(config, accelerator, output: Path, objective: str, parts: TrainingPar
             position["batches_in_epoch"] += 1
             with accelerator.accumulate(model):
                 loss = _loss(model, parts.teacher, batch, objective, config, _pose_generator(config, position),
-                             (accelerator.process_index, accelerator.num_processes))
+                             (accelerator.process_index, accelerator.num_processes),
+                             _global_masked(accelerator, batch) if objective == "mlm" else None)
                 micro_losses.append(loss.detach())
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -297,6 +298,11 @@ def _steps(config, accelerator, output: Path, objective: str, parts: TrainingPar
             position["epoch"] += 1
             position["batches_in_epoch"] = 0
     return last_loss, eval_loss
+
+
+def _global_masked(accelerator, batch: dict[str, torch.Tensor]) -> int:
+    """The masked tokens of the global batch: this process's, summed over the processes."""
+    return int(accelerator.reduce((batch["labels"] != -100).sum(), reduction="sum"))
 
 
 def _pose_generator(config: FinetuneConfig, position: RunPosition) -> torch.Generator:

@@ -114,10 +114,16 @@ def at_least_one_mask(batch: dict[str, torch.Tensor], tokenizer) -> dict[str, to
 
 
 def batch_loss(model, teacher, batch: dict[str, torch.Tensor], objective: str, config: FinetuneConfig,
-               generator: torch.Generator, process: tuple[int, int] = (0, 1)) -> torch.Tensor:
+               generator: torch.Generator, process: tuple[int, int] = (0, 1),
+               global_masked: int | None = None) -> torch.Tensor:
     """The training loss of one batch: the objective's own loss (with PoSE position ids when asked, this process's
     rows of the global batch's draw: ``process`` = (index, count)), blended with distillation from ``teacher`` by
-    ``distill_weight``."""
+    ``distill_weight``.
+
+    Masked LM with ``global_masked`` (the masked tokens of the global batch, all processes together): this process's
+    summed loss / ``global_masked`` x processes, so that the processes' mean (of the losses logged and of the
+    gradients, as data parallelism averages them) is the mean over the global batch's masked tokens, as in one
+    process. Each process's own mean would weigh a process with fewer masked tokens more."""
     inputs = dict(batch)
     if config.pose_target is not None:
         batch_size, seq_len = inputs["input_ids"].shape
@@ -131,15 +137,19 @@ def batch_loss(model, teacher, batch: dict[str, torch.Tensor], objective: str, c
     encoder_distill = teacher is not None and objective == "mlm"
     inputs.update(no_cache(objective))  # training builds no KV cache (and gradient checkpointing needs none)
     outputs = model(**inputs, output_hidden_states=encoder_distill)
+    own = outputs.loss
+    if objective == "mlm" and global_masked:
+        summed, _ = token_losses(outputs.logits, inputs["labels"], objective)  # [B]
+        own = summed.sum() * process[1] / global_masked
     if teacher is None or config.distill_weight == 0:
-        return outputs.loss
+        return own
     with torch.no_grad():
         reference = teacher(**{k: v for k, v in inputs.items() if k != "labels"}, output_hidden_states=encoder_distill)
     if encoder_distill:
         distill = hidden_state_matching(outputs.hidden_states[-1], reference.hidden_states[-1])
     else:
         distill = distillation_kl(outputs.logits, reference.logits, config.distill_temperature)
-    return (1 - config.distill_weight) * outputs.loss + config.distill_weight * distill
+    return (1 - config.distill_weight) * own + config.distill_weight * distill
 
 
 def no_cache(objective: str) -> dict[str, bool]:

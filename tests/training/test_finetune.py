@@ -214,6 +214,49 @@ def _train_two_processes(workspace: Path, folder: Path) -> Path:
 
 
 @pytest.mark.slow
+def test_two_processes_train_as_one_process_across_epochs(workspace, tmp_path) -> None:
+    """2 processes x 2 rows against 1 process x 4 rows over 10 sequences (an epoch of 3 steps whose last batch is
+    completed with repeated rows): the same loss at every step past the epoch's end, for masked LM (masks drawn in
+    each process) and for causal LM with PoSE (skips drawn in each process)."""
+    corpus = tmp_path / "small"
+    corpus.mkdir()
+    (corpus / "text.txt").write_text(sorted((workspace / "corpus").glob("*.txt"))[0].read_text()[:700])
+    runs = {"mlm": {"family": "bert"}, "pose": {"family": "gpt2", "scheme": "rope", "pose_target": 256}}
+    folder = run_again_if_killed(lambda folder: _two_processes(workspace, folder, corpus, runs), tmp_path)
+    for name, options in runs.items():
+        options = dict(options)
+        one = finetune(FinetuneConfig(model=str(workspace / options.pop("family")), data=[str(corpus / "*.txt")],
+                                      output=str(tmp_path / f"one-{name}"), seq_len=64, batch_size=4, steps=5,
+                                      lr=2e-3, save_every=0, eval_fraction=0.0, **options))
+        assert len(losses(folder / name)) == 5
+        assert losses(folder / name) == pytest.approx(losses(tmp_path / f"one-{name}"), rel=1e-5), name
+        assert json.loads((folder / f"{name}.json").read_text())["loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+
+
+def _two_processes(workspace: Path, folder: Path, corpus: Path, runs: dict) -> Path:
+    script = folder / "epochs.py"
+    script.write_text(textwrap.dedent(f"""
+        import json
+        import os
+        from hf_posswap.training import FinetuneConfig, finetune
+
+        for name, options in {runs!r}.items():
+            options = dict(options)
+            result = finetune(FinetuneConfig(model={str(workspace)!r} + "/" + options.pop("family"),
+                                             data=[{str(corpus / "*.txt")!r}], output={str(folder)!r} + "/" + name,
+                                             seq_len=64, batch_size=2, steps=5, lr=2e-3, save_every=0,
+                                             eval_fraction=0.0, **options))
+            if os.environ["RANK"] == "0":
+                with open({str(folder)!r} + f"/{{name}}.json", "w") as handle:
+                    json.dump({{"loss": result["train_loss"]}}, handle)
+        """))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
+    run_launcher(command, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return folder
+
+
+@pytest.mark.slow
 def test_two_processes_refuse_together(workspace, tmp_path) -> None:
     """A refusal in one process of a run is the same one-line error in every process, before anything is written:
     processes started with different settings (another --lr in process 1), and an output folder another run holds
