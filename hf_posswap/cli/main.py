@@ -170,7 +170,8 @@ def _eval(argv: list[str]) -> int:
             "perplexity and passkey retrieval do not apply to it. Evaluate a causal LM (GPT-2, LLaMA, ...)."
         )
     tokenizer = load_tokenizer(source, required=True)
-    check_passkey_lengths(tokenizer, args.passkey_lengths)  # needs only the tokenizer: before the model loads
+    # needs only the tokenizer: before the model loads
+    check_passkey_lengths(tokenizer, args.passkey_lengths, args.depths, args.trials)
     model = load_model(source, "causal", dtype=args.dtype)
     results = evaluate(model, tokenizer, args.lengths, text=text, corpus=args.corpus, modes=args.mode,
                        stride=args.stride, tail_from=args.tail_from, max_windows=args.max_windows or None,
@@ -277,21 +278,25 @@ def _inspect(argv: list[str]) -> int:
 
 def _plot(argv: list[str]) -> int:
     args = PARSERS["plot"]().parse_args(argv)
-    from ..evaluation.plots import check_picture_path, load_runs, plot_passkey, plot_perplexity
-    from ..persistence.saving import check_output_file
+    from ..evaluation.plots import check_picture_output, load_runs, plot_passkey, plot_perplexity
+    from ..evaluation.results_files import has_perplexity
 
     if args.trained_length is not None and args.trained_length < 1:
         raise InvalidConfigError(f"--trained-length {args.trained_length}: give a positive number of tokens.")
-    check_output_file(args.output)
-    check_picture_path(args.output)
+    check_picture_output(args.output)
     if args.passkey_output:
-        check_output_file(args.passkey_output, flag="--passkey-output")
-        check_picture_path(args.passkey_output, flag="--passkey-output")
+        check_picture_output(args.passkey_output, flag="--passkey-output")
         if Path(args.passkey_output).resolve() == Path(args.output).resolve():
             raise InvalidConfigError(f"--passkey-output {args.passkey_output!r} is also --output: the heatmap would "
                                      "replace the perplexity picture; give it another file name.")
     runs = load_runs(args.runs, args.mode, passkey=bool(args.passkey_output))
-    print(f"wrote {plot_perplexity(runs, args.output, args.mode, args.trained_length)}")
+    if has_perplexity(runs):
+        print(f"wrote {plot_perplexity(runs, args.output, args.mode, args.trained_length)}")
+    elif not args.passkey_output:  # passkey-only results and no heatmap asked for: nothing would be drawn
+        raise InvalidConfigError(f"{', '.join(repr(run) for run in args.runs)}: no perplexity rows to draw (eval ran "
+                                 "without --lengths); draw the passkey results with --passkey-output passkey.png.")
+    else:  # a passkey-only eval: its heatmap is what there is to draw
+        print(f"skipped {args.output}: the results hold no perplexity rows (eval ran without --lengths)")
     if args.passkey_output:
         label, results = next(iter(runs.items()))  # the first run: the picture names it
         print(f"wrote {plot_passkey(results, args.passkey_output, title=f'Passkey retrieval: {label}')}")

@@ -94,17 +94,19 @@ def eval_parser() -> OneLineParser:
                         help="context lengths in tokens for perplexity, e.g. --lengths 512 1024 2048")
     parser.add_argument("--mode", nargs="+", default=["windows"], choices=MODES,
                         help="how each length is scored: windows (whole non-overlapping windows), sliding "
-                             "(overlapping windows, see --stride), tail (only positions past --tail-from)")
-    parser.add_argument("--stride", type=int, help="sliding-window stride in tokens (default: length / 2)")
+                             "(overlapping windows, see --stride), tail (only positions from --tail-from on)")
+    parser.add_argument("--stride", type=int,
+                        help="sliding mode only: window stride in tokens (default: length / 2)")
     parser.add_argument("--tail-from", type=int,
-                        help="tail mode: score positions from here on (default: the model's trained length)")
+                        help="tail mode only: score positions from here on (default: the model's trained length)")
     parser.add_argument("--max-windows", type=int, default=4, help="windows per length (0: all of them)")
     parser.add_argument("--text", nargs="+", metavar="FILE", help="text files to evaluate on instead of --corpus")
     parser.add_argument("--corpus", default="reference", choices=CORPORA,
                         help="built-in text: reference (typing.py + argparse.py + tarfile.py), pydoc (Python's "
                              "documentation topics) or stdlib (the standard library's sources)")
     parser.add_argument("--passkey-lengths", nargs="*", type=int, default=[], metavar="N",
-                        help="prompt lengths in tokens for passkey retrieval (a key hidden in filler text)")
+                        help="prompt lengths in tokens for passkey retrieval (a key hidden in filler text; the prompt "
+                             "has this many tokens, special tokens included)")
     parser.add_argument("--depths", nargs="*", type=float, default=[0.0, 0.5, 1.0], metavar="D",
                         help="where the passkey sits in the prompt: 0 = start, 1 = end")
     parser.add_argument("--trials", type=int, default=5, help="passkey prompts per length and depth")
@@ -166,7 +168,9 @@ def plot_parser() -> OneLineParser:
     parser.add_argument("runs", nargs="+", help="results.json files, optionally labelled: label=results.json")
     parser.add_argument("--mode", default="windows", choices=MODES, help="which perplexity rows to plot")
     parser.add_argument("--trained-length", type=int, help="draw a line at the trained length")
-    parser.add_argument("--output", default="perplexity.png", help="picture file to write (.png, .pdf, .svg)")
+    parser.add_argument("--output", default="perplexity.png",
+                        help="picture of perplexity against length (.png, .pdf, .svg); skipped, with a note, for "
+                             "results holding passkey rows only")
     parser.add_argument("--passkey-output", help="also draw the passkey heatmap of the first run here")
     return parser
 

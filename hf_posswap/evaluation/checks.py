@@ -52,6 +52,9 @@ def check_settings(
     for mode in modes:
         if mode not in MODES:
             raise InvalidConfigError(f"Unknown perplexity mode {mode!r}. Modes: {', '.join(MODES)}.")
+    _check_unique("Perplexity lengths (--lengths)", lengths)
+    _check_unique("Perplexity modes (--mode)", modes)
+    _check_mode_options(modes, stride, tail_from)
     if stride is not None:
         _check_ints("The sliding stride (--stride)", [stride], 1, "pass a positive stride")
         too_short = [n for n in lengths if stride > n]
@@ -78,9 +81,29 @@ def check_settings(
                 or not math.isfinite(depth):
             raise InvalidConfigError(f"Passkey depths (--depths) must be in [0, 1] (0 = start, 1 = end), got "
                                      f"{depth!r}.")
+    _check_unique("Passkey lengths (--passkey-lengths)", passkey_lengths)
+    _check_unique("Passkey depths (--depths)", depths)
     if passkey_lengths and not depths:
         raise InvalidConfigError("Passkey lengths were given but no depths (--depths); pass depths in [0, 1].")
     _check_ints("Passkey trials (--trials)", [trials], 1, "pass at least 1 trial")
+
+
+def _check_unique(name: str, values: Sequence[Any]) -> None:
+    """Refuse a value given twice: it would be measured twice (and a passkey cell drawn once, over the other)."""
+    repeated = sorted({value for value in values if list(values).count(value) > 1}, key=list(values).index)
+    if repeated:
+        shown = ", ".join(repr(value) for value in repeated)
+        raise InvalidConfigError(f"{name} repeat {shown}; give each value once.")
+
+
+def _check_mode_options(modes: Sequence[str], stride: int | None, tail_from: int | None) -> None:
+    """Refuse a mode's option given without that mode: it would be accepted and change nothing."""
+    if stride is not None and "sliding" not in modes:
+        raise InvalidConfigError(f"--stride {stride} (stride) applies to the sliding mode only, and the modes are "
+                                 f"{', '.join(modes) or 'none'}; add --mode sliding, or drop --stride.")
+    if tail_from is not None and "tail" not in modes:
+        raise InvalidConfigError(f"--tail-from {tail_from} (tail_from) applies to the tail mode only, and the modes "
+                                 f"are {', '.join(modes) or 'none'}; add --mode tail, or drop --tail-from.")
 
 
 def is_causal_lm(model: nn.Module) -> bool:

@@ -23,7 +23,8 @@ from .checks import (
     learned_table_size,
 )
 from .corpora import corpus_text, text_digest
-from .passkey import passkey_accuracy, passkey_prompt, shortest_passkey_length
+from .inputs import eval_mode
+from .passkey import check_passkey_fits, passkey_accuracy, passkey_keys
 from .perplexity import perplexity, plan_windows
 
 
@@ -46,7 +47,8 @@ def evaluate(
 ) -> dict[str, Any]:
     """Perplexity at each length and mode, and passkey accuracy by length x depth; optionally written as JSON.
 
-    Every setting is checked before the first forward pass (an impossible one never costs finished results).
+    Every setting is checked before the first forward pass (an impossible one never costs finished results). The
+    model runs in eval mode and gets its own train/eval mode back on return (also when a check or a pass raises).
     ``max_windows``: windows per length; ``None`` or 0 means all of them (as the CLI's ``--max-windows 0``).
     ``progress``: report each window and passkey trial on stderr, with the elapsed time and an ETA (a bar on a
     terminal, plain lines elsewhere); ``False`` for silent library use."""
@@ -54,13 +56,27 @@ def evaluate(
     if output is not None:
         check_results_output(output, flag="output")
     check_causal(model)
-    model.eval()
+    with eval_mode(model):  # no dropout; a model evaluated mid-training goes back to training afterwards
+        results = _measure(model, tokenizer, lengths, text, corpus, modes, stride, tail_from, max_windows,
+                           passkey_lengths, depths, trials, progress)
+    if output is not None:
+        from ..persistence.saving import write_file_atomic
+
+        write_file_atomic(output, json.dumps(results, indent=2))
+    return results
+
+
+def _measure(model: nn.Module, tokenizer, lengths: Sequence[int], text: str | None, corpus: str,
+             modes: Sequence[str], stride: int | None, tail_from: int | None, max_windows: int | None,
+             passkey_lengths: Sequence[int], depths: Sequence[float], trials: int, progress: bool) -> dict[str, Any]:
+    """``evaluate``'s measurements, the model already in eval mode: checks, then perplexity, then passkey."""
     source = "given text" if text is not None else f"corpus:{corpus}"
     text = text if text is not None else corpus_text(corpus)
     if not text.strip():
         raise InvalidConfigError("The evaluation text is empty; pass a text file with content, or a built-in corpus.")
     token_ids = torch.tensor(tokenizer(text)["input_ids"])
-    _check_before_running(model, tokenizer, token_ids, lengths, modes, stride, tail_from, passkey_lengths)
+    _check_before_running(model, tokenizer, token_ids, lengths, modes, stride, tail_from, passkey_lengths, depths,
+                          trials)
     weights = next(model.parameters(), None)
     results: dict[str, Any] = {
         "text": {"source": source, "sha256": text_digest(text), "tokens": int(token_ids.numel())},
@@ -77,25 +93,17 @@ def evaluate(
             for depth in depths:
                 result = passkey_accuracy(model, tokenizer, length, depth, trials, progress=bar)
                 results["passkey"].append(dataclasses.asdict(result))
-    if output is not None:
-        from ..persistence.saving import write_file_atomic
-
-        write_file_atomic(output, json.dumps(results, indent=2))
     return results
 
 
-def check_passkey_lengths(tokenizer, passkey_lengths: Sequence[int]) -> None:
-    """Every passkey prompt must hold at least the needle and the question (needs only the tokenizer, so callers
-    can check this before loading a model)."""
-    if not passkey_lengths:
-        return
-    shortest = shortest_passkey_length(tokenizer)
-    too_short = [length for length in passkey_lengths if length < shortest]
-    if too_short:
-        raise InvalidConfigError(
-            f"Passkey length {too_short[0]} is shorter than the needle and the question alone ({shortest} tokens); "
-            f"use passkey lengths >= {shortest}."
-        )
+def check_passkey_lengths(tokenizer, passkey_lengths: Sequence[int], depths: Sequence[float] = (),
+                          trials: int = 0) -> None:
+    """Every passkey prompt must hold at least the needle and the question, special tokens included (needs only the
+    tokenizer, so callers can check this before loading a model); with ``depths`` and ``trials``, for the keys those
+    prompts will hold (a tokenizer that merges digits gives some keys more tokens than others)."""
+    for length in passkey_lengths:
+        keys = [key for depth in depths for key in passkey_keys(length, depth, trials)] or ["12345"]
+        check_passkey_fits(tokenizer, length, keys)
 
 
 #: positions a passkey answer may take after its prompt (a 5-digit key and one token more, in any tokenizer here)
@@ -104,17 +112,17 @@ ANSWER_TOKENS = 8
 
 def _check_before_running(model: nn.Module, tokenizer, token_ids: torch.Tensor, lengths: Sequence[int],
                           modes: Sequence[str], stride: int | None, tail_from: int | None,
-                          passkey_lengths: Sequence[int]) -> None:
+                          passkey_lengths: Sequence[int], depths: Sequence[float], trials: int) -> None:
     """The checks that need the model, tokenizer or text, all before the first forward pass."""
     for length in lengths:
         for mode in modes:
             plan_windows(model, token_ids, length, mode, stride, tail_from)
     check_lengths_fit(model, max(passkey_lengths, default=0))  # before a long prompt is built for nothing
-    check_passkey_lengths(tokenizer, passkey_lengths)
+    check_passkey_lengths(tokenizer, passkey_lengths, depths, trials)
     check_lengths_fit(model, max(lengths, default=0))
     table = learned_table_size(model)
     for length in passkey_lengths if table is not None else ():
-        needed = passkey_prompt(tokenizer, length, 0.5, "12345").numel() + ANSWER_TOKENS
+        needed = length + ANSWER_TOKENS  # a prompt is never longer than its length
         if needed > table[1]:
             raise InvalidConfigError(
                 f"Passkey length {length} needs {needed} positions (the prompt, then up to {ANSWER_TOKENS} answer "

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..errors import InvalidConfigError
 from ..progress import Progress
+from .inputs import eval_mode, token_stream
 
 MODES = ("windows", "sliding", "tail")
 
@@ -54,7 +55,7 @@ def _nll_sum(logits: torch.Tensor, targets: torch.Tensor, start: int, chunk: int
 
 def perplexity(
     model: nn.Module,
-    token_ids: torch.Tensor,
+    token_ids: torch.Tensor | Sequence[int],
     length: int,
     mode: str = "windows",
     stride: int | None = None,
@@ -62,16 +63,22 @@ def perplexity(
     max_windows: int | None = None,
     progress: bool = False,
 ) -> PerplexityResult:
-    """Perplexity of ``model`` on the flat token stream ``token_ids`` [N] at context ``length``.
+    """Perplexity of ``model`` on the flat token stream ``token_ids`` at context ``length``, in eval mode (the
+    model's own train/eval mode is given back afterwards).
+
+    ``token_ids``: a 1-D tensor [N], a one-row tensor [1, N] (``tokenizer(text, return_tensors="pt").input_ids``) or
+    a list of ints; several rows, float ids or no ids are refused.
 
     - ``windows``: non-overlapping windows of ``length`` tokens; every next-token prediction counts.
     - ``sliding``: windows of ``length`` moved by ``stride``; each window scores only the tokens not scored by the
-      previous one, so every token is predicted with up to ``length - stride`` tokens of context.
+      previous one, so every token after the first window is predicted with at least ``length - stride`` tokens of
+      context (those in the first window with what precedes them).
     - ``tail``: non-overlapping windows; only predictions of positions >= ``tail_from`` count (default: the
       model's trained length), so early tokens do not flatter long-context numbers.
 
     ``progress``: report the windows on stderr (a bar on a terminal, plain lines elsewhere).
     """
+    token_ids = token_stream(token_ids)
     starts, first_scored = plan_windows(model, token_ids, length, mode, stride, tail_from)
     if max_windows is not None and (isinstance(max_windows, bool) or not isinstance(max_windows, int)
                                     or max_windows < 0):
@@ -79,8 +86,8 @@ def perplexity(
     if max_windows:
         starts, first_scored = starts[:max_windows], first_scored[:max_windows]
     total, count = 0.0, 0
-    with Progress(f"perplexity at {length} tokens ({mode})", len(starts), unit="window", enabled=progress) as bar, \
-            bar.watch(model):
+    with eval_mode(model), Progress(f"perplexity at {length} tokens ({mode})", len(starts), unit="window",
+                                    enabled=progress) as bar, bar.watch(model):
         for start, first in zip(starts, first_scored, strict=True):
             nll, scored = window_nll(model, token_ids[start : start + length].to(_device(model)), first)
             total, count = total + nll, count + scored
@@ -105,6 +112,7 @@ def plan_windows(
     model: nn.Module, token_ids: torch.Tensor, length: int, mode: str, stride: int | None, tail_from: int | None
 ) -> tuple[list[int], list[int]]:
     """(window starts, first scored position of each); raises on any impossible setting, runs nothing."""
+    token_ids = token_stream(token_ids)
     if mode not in MODES:
         raise InvalidConfigError(f"Unknown perplexity mode '{mode}'. Modes: {', '.join(MODES)}.")
     if isinstance(length, bool) or not isinstance(length, int) or length < 2 or token_ids.numel() < length:

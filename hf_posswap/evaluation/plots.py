@@ -13,6 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .results_files import load_runs as load_runs  # where `plot` reads its runs; kept here for callers
+from .results_files import number as _number
+
 
 def _pyplot():
     import matplotlib
@@ -23,7 +26,7 @@ def _pyplot():
     return plt
 
 
-MEASURES = {"windows": "whole window", "sliding": "sliding window", "tail": "past the trained length only"}
+MEASURES = {"windows": "whole window", "sliding": "sliding window", "tail": "tail positions only"}
 _STYLES = {"windows": ("-", "o"), "sliding": (":", "^"), "tail": ("--", "s")}
 
 
@@ -78,7 +81,7 @@ def perplexity_figure(
         for measure, points in lines.items():
             if points:
                 style, marker = _STYLES[measure]
-                name = label if len(measures) == 1 else f"{label}: {_measure_name(measure, [runs[label]])}"
+                name = _line_name(label, measure, runs, len(measures) > 1)
                 colour = colours[index % len(colours)]
                 axis.plot(*zip(*points, strict=True), linestyle=style, marker=marker, label=name, color=colour,
                           linewidth=1.0, markersize=7)
@@ -118,11 +121,32 @@ def _undrawable(results: dict[str, Any], measures: Sequence[str]) -> str:
 
 
 def _measure_name(mode: str, runs: Iterable[dict[str, Any]]) -> str:
-    """What the rows of ``mode`` measured; for tail rows the first scored position when they all agree on it."""
-    starts = {r.get("tail_from") for results in runs for r in results.get("perplexity", []) if r.get("mode") == mode}
-    if mode == "tail" and len(starts) == 1 and _number(next(iter(starts))):
-        return f"positions past {next(iter(starts)):,} only"
+    """What the rows of ``mode`` measured; for tail rows the first scored position when they all agree on it (that
+    position is scored: ``tail_from`` is the first target counted)."""
+    starts = _tail_starts(runs) if mode == "tail" else set()
+    if len(starts) == 1 and _number(start := next(iter(starts))):
+        return f"positions from {start:,} on"
+    if len(starts) > 1:  # the legend says each run's start
+        return "tail: each run from its own start"
     return MEASURES[mode]
+
+
+def _tail_starts(runs: Iterable[dict[str, Any]]) -> set[Any]:
+    """The ``tail_from`` values of the tail rows of ``runs`` that are drawn (a finite, positive perplexity)."""
+    return {r.get("tail_from") for results in runs for r in results.get("perplexity", [])
+            if r.get("mode") == "tail" and math.isfinite(r["perplexity"]) and r["perplexity"] > 0}
+
+
+def _line_name(label: str, measure: str, runs: Mapping[str, dict[str, Any]], mixed: bool) -> str:
+    """A line's legend entry: the run's label, with its measure when several are drawn. Tail runs that start scoring
+    at different positions are drawn together, each naming its own start, rather than refused: comparing an extended
+    model scored past its new trained length (8,192) with its base scored past its own (2,048) is the comparison a
+    user makes, and re-running one of them with the other's start would measure something else."""
+    if mixed:
+        return f"{label}: {_measure_name(measure, [runs[label]])}"
+    if measure == "tail" and len(_tail_starts(runs.values())) > 1:
+        return f"{label} ({_measure_name(measure, [runs[label]])})"
+    return label
 
 
 def _plain_length_axis(axis, lengths: list[int]) -> None:
@@ -151,7 +175,10 @@ def _plain_value_axis(axis, low: float, high: float) -> None:
 
 
 def plot_passkey(results: dict[str, Any], path: str | os.PathLike[str], title: str = "Passkey retrieval") -> Path:
-    """Accuracy as a depth x length heatmap."""
+    """Accuracy as a depth x length heatmap (a repeated cell or a value outside [0, 1] is refused)."""
+    from .results_files import check_passkey_rows
+
+    check_passkey_rows(results, "the results", required=True)  # one cell per length and depth, values in range
     plt = _pyplot()
     rows = results["passkey"]
     lengths = sorted({r["length"] for r in rows})
@@ -284,19 +311,43 @@ def _rope_curve(model: nn.Module, adapter, path: Path, length: int) -> Path:
 
 
 def _save(figure, path: str | os.PathLike[str]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if figure.get_layout_engine() is None:
-        figure.tight_layout()
+    """Write ``figure`` to ``path`` atomically; a place that takes no file is one :class:`OutputError`."""
     import io
 
-    from ..persistence.saving import write_file_atomic
+    from ..persistence.saving import OutputError, write_file_atomic
 
+    path = Path(path)
+    if figure.get_layout_engine() is None:
+        figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, dpi=110, format=check_picture_path(path))
     _pyplot().close(figure)
-    write_file_atomic(path, buffer.getvalue())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(path, buffer.getvalue())
+    except OSError as error:
+        raise OutputError(f"Cannot write the picture {str(path)!r}: {error.strerror or error} (in "
+                          f"{str(path.parent)!r}); choose another place.") from error
     return path
+
+
+def check_picture_output(path: str | os.PathLike[str], flag: str = "--output") -> None:
+    """A picture file that can be written: a supported suffix, an existing writable directory, and one that takes a
+    new file (``/proc`` passes the permission check but takes none); checked before anything is read or drawn."""
+    import tempfile
+
+    from ..persistence.saving import OutputError, check_output_file
+
+    target = check_output_file(path, flag=flag)
+    check_picture_path(path, flag=flag)
+    directory = target.resolve().parent
+    try:
+        handle, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=directory)
+    except OSError as error:
+        raise OutputError(f"{flag} {str(path)!r}: cannot write a file in {str(directory)!r} "
+                          f"({error.strerror or error}); choose another place.") from error
+    os.close(handle)
+    os.unlink(probe)
 
 
 PICTURE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
@@ -311,56 +362,3 @@ def check_picture_path(path: str | os.PathLike[str], flag: str = "--output") -> 
         raise InvalidConfigError(f"{flag} {str(path)!r}: pictures are written as {', '.join(PICTURE_FORMATS)}; "
                                  "end the file name with one of them (e.g. perplexity.png).")
     return suffix
-
-
-def load_runs(paths: Sequence[str], mode: str | None = None, passkey: bool = False) -> dict[str, dict[str, Any]]:
-    """``label=results.json`` (or just the path) -> {label: results}. A missing or malformed file, or (with
-    ``mode``) a run without perplexity rows of that mode, is refused with its name."""
-    from ..errors import InvalidConfigError
-    from ..persistence.user_files import read_json
-
-    runs: dict[str, dict[str, Any]] = {}
-    sources: dict[str, str] = {}
-    for item in paths:
-        label, sep, path = item.partition("=")
-        if not sep or Path(item).exists():
-            label, path = Path(item).stem, item
-        if not Path(path).is_file():
-            raise InvalidConfigError(f"Results file {path!r} does not exist; pass the --output of hf-posswap eval.")
-        if label in runs:
-            raise InvalidConfigError(
-                f"Two runs are labelled {label!r} ({sources[label]!r} and {path!r}), and a picture tells runs apart "
-                f"by label; name them: {label}-a={sources[label]} {label}-b={path}."
-            )
-        results = read_json(Path(path), flag="results")
-        _check_results(results, path, mode, passkey and not runs)  # the first run's passkey is drawn
-        runs[label], sources[label] = results, path
-    return runs
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_row(row: Any) -> bool:
-    """A perplexity row: a positive length, a mode name and a numeric perplexity."""
-    return (isinstance(row, dict) and _number(row.get("length")) and row["length"] > 0
-            and isinstance(row.get("mode"), str) and _number(row.get("perplexity")))
-
-
-def _check_results(results: dict[str, Any], path: str, mode: str | None, passkey: bool) -> None:
-    from ..errors import InvalidConfigError
-
-    rows = results.get("perplexity")
-    if not isinstance(rows, list) or not all(_is_row(r) for r in rows):
-        raise InvalidConfigError(f"{path!r} is not an hf-posswap eval results file (needs a 'perplexity' list of "
-                                 "rows with numeric length and perplexity and a mode).")
-    if mode is not None and not any(r["mode"] == mode for r in rows):
-        found = sorted({str(r["mode"]) for r in rows}) or ["none"]
-        raise InvalidConfigError(f"{path!r} has no perplexity rows of mode {mode!r} (it has: {', '.join(found)}); "
-                                 "pass --mode with one of those.")
-    pass_rows = results.get("passkey")
-    if passkey and (not isinstance(pass_rows, list) or not pass_rows
-                    or not all(isinstance(r, dict) and all(_number(r.get(k)) for k in ("length", "depth", "accuracy"))
-                               for r in pass_rows)):
-        raise InvalidConfigError(f"{path!r} has no passkey results to draw; run eval with --passkey-lengths.")

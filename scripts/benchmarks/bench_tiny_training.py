@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_posswap as ps
 from hf_posswap.evaluation import BYTE_VOCAB_SIZE, corpus_text, passkey_accuracy, perplexity
-from hf_posswap.evaluation.passkey import passkey_prompt
+from hf_posswap.evaluation.passkey import passkey_prompt, shortest_passkey_length
 
 # The evaluation's passkey format with a filler that shares no long substring with "The pass key is": with the
 # default filler ("The sky is blue") a byte-level model must match 6+ bytes to tell the key's "y is " apart.
@@ -125,11 +125,20 @@ def write_corpus_file(path: Path) -> str:
 
 
 def passkey_example(tokenizer, length: int, rng: random.Random) -> list[int]:
-    """The evaluation's passkey prompt at a random depth, followed by its answer, cut to ``length`` tokens."""
+    """The evaluation's passkey prompt at a random depth, followed by its answer, cut to ``length`` tokens (below
+    the shortest prompt, the needle and question alone, the cut keeps their end)."""
     key = f"{rng.randrange(10_000, 100_000)}"
     answer = tokenizer(f" {key}.", add_special_tokens=False)["input_ids"]
-    prompt = passkey_prompt(tokenizer, length - len(answer), rng.random(), key, FILLER).tolist()
+    prompt_length = max(length - len(answer), shortest_passkey_length(tokenizer, [key]))
+    prompt = passkey_prompt(tokenizer, prompt_length, rng.random(), key, FILLER).tolist()
     return (prompt + answer)[-length:]
+
+
+def passkey_prompt_length(tokenizer, length: int) -> int:
+    """The passkey prompt measured at ``length``: shortened by the answer, so that prompt and answer fit in
+    ``length`` tokens; a length too short for any prompt (the tests' tiny settings; a run's lengths are hundreds of
+    tokens) measures the shortest prompt, the needle and question alone."""
+    return max(length - ANSWER_TOKENS, shortest_passkey_length(tokenizer))
 
 
 def copy_example(tokenizer, length: int, rng: random.Random) -> list[int]:  # same signature as passkey_example
@@ -343,8 +352,7 @@ def measure(model: torch.nn.Module, tokenizer, heldout: torch.Tensor, settings: 
             row["sliding"][factor] = perplexity(
                 model, heldout, length, "sliding", stride=settings.length, max_windows=settings.max_windows
             ).perplexity
-        # the prompt is shortened by the answer's length, so that prompt + answer fit in `length` tokens
-        prompt_length = length - ANSWER_TOKENS
+        prompt_length = passkey_prompt_length(tokenizer, length)
         by_depth = {
             depth: passkey_accuracy(model, tokenizer, prompt_length, depth, settings.trials, filler=FILLER).accuracy
             for depth in settings.depths
@@ -397,8 +405,8 @@ def make_probe(model: torch.nn.Module, tokenizer, train_ids: torch.Tensor, heldo
 
     def probe() -> list[float]:
         depths = (0.0, 0.5, 1.0)
-        accuracy = statistics.mean(passkey_accuracy(model, tokenizer, length - ANSWER_TOKENS, depth, 4, seed=1,
-                                                    filler=FILLER).accuracy for depth in depths)
+        accuracy = statistics.mean(passkey_accuracy(model, tokenizer, passkey_prompt_length(tokenizer, length), depth,
+                                                    4, seed=1, filler=FILLER).accuracy for depth in depths)
         heldout_ppl = perplexity(model, heldout, length, max_windows=PROBE_WINDOWS).perplexity
         train_ppl = perplexity(model, train_ids, length, max_windows=PROBE_WINDOWS).perplexity
         return [accuracy, heldout_ppl, train_ppl]

@@ -68,6 +68,10 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "results.json").write_text(json.dumps({"perplexity": [{"length": 8, "mode": "windows",
                                                                    "perplexity": 3.0}], "passkey": []}))
     (root / "corrupt.json").write_text('{"perplexity": [')
+    (root / "badpk.json").write_text(json.dumps({"perplexity": [{"length": 8, "mode": "windows", "perplexity": 3.0}],
+                                                 "passkey": [{"length": 100, "depth": 0.5, "accuracy": 7}]}))
+    (root / "pkonly.json").write_text(json.dumps({"perplexity": [],
+                                                  "passkey": [{"length": 100, "depth": 0.5, "accuracy": 1.0}]}))
     (root / "strings.json").write_text(json.dumps({"perplexity": [{"length": "x", "mode": "windows",
                                                                    "perplexity": "abc"}], "passkey": []}))
     return root
@@ -217,6 +221,22 @@ BEFORE_LOADING = [
     ("plot-no-passkey", ["plot", "{ws}/results.json", "--output", "{ws}/p.png", "--passkey-output", "{ws}/k.png"],
      "no passkey results"),
     ("plot-bad-suffix", ["plot", "{ws}/results.json", "--output", "{ws}/p.txt"], "'{ws}/p.txt'"),
+    ("plot-passkey-accuracy-out-of-range", ["plot", "{ws}/badpk.json", "--output", "{ws}/p.png"],
+     "'{ws}/badpk.json': passkey row {'length': 100, 'depth': 0.5, 'accuracy': 7} needs"),
+    ("plot-output-that-takes-no-file", ["plot", "{ws}/results.json", "--output", "/proc/x.png"],
+     "--output '/proc/x.png': "),
+    ("plot-passkey-only-without-heatmap", ["plot", "{ws}/pkonly.json", "--output", "{ws}/p.png"],
+     "no perplexity rows to draw (eval ran without --lengths); draw the passkey results with --passkey-output"),
+    ("eval-stride-without-sliding", E + ["{ws}/llama", "--stride", "8"],
+     "--stride 8 (stride) applies to the sliding mode only, and the modes are windows; add --mode sliding"),
+    ("eval-tail-from-without-tail", E + ["{ws}/llama", "--tail-from", "8"],
+     "--tail-from 8 (tail_from) applies to the tail mode only"),
+    ("eval-repeated-lengths", ["eval", "--model", "{ws}/llama", "--lengths", "32", "64", "32"],
+     "Perplexity lengths (--lengths) repeat 32; give each value once"),
+    ("eval-repeated-passkey-lengths", E + ["{ws}/llama", "--passkey-lengths", "200", "200"],
+     "Passkey lengths (--passkey-lengths) repeat 200"),
+    ("eval-repeated-depths", E + ["{ws}/llama", "--passkey-lengths", "200", "--depths", "0", "1", "0"],
+     "Passkey depths (--depths) repeat 0.0"),
     ("finetune-missing-model", ["finetune", "--model", "{ws}/nope", "--data", "{ws}/notes.txt", "--output",
                                 "{ws}/run"], "'{ws}/nope': no such directory"),
     ("demo-missing-checkpoint", ["demo", "--checkpoint", "{ws}/nope"], "'{ws}/nope': no such directory"),

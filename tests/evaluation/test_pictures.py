@@ -109,8 +109,8 @@ def test_mixed_measures_are_separate_labelled_lines_with_plain_ticks() -> None:
     figure = perplexity_figure(runs, mode=None, trained_length=8192, title="t")
     (axis,) = figure.axes
     lines = {line.get_label(): list(line.get_xdata()) for line in axis.get_lines()}
-    assert lines == {"no scaling: whole window": [4096, 12288], "no scaling: positions past 8,192 only": [12288],
-                     "yarn: whole window": [4096, 12288], "yarn: positions past 8,192 only": [12288],
+    assert lines == {"no scaling: whole window": [4096, 12288], "no scaling: positions from 8,192 on": [12288],
+                     "yarn: whole window": [4096, 12288], "yarn: positions from 8,192 on": [12288],
                      "trained length (8,192)": [8192, 8192]}
     assert [text.get_text() for text in axis.get_legend().get_texts()] == list(lines)
     assert axis.get_ylabel() == "perplexity" and "mixed" not in axis.get_ylabel()
