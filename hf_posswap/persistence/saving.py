@@ -117,6 +117,8 @@ def staged_directory(
 ) -> Iterator[Path]:
     """Yield an empty staging directory beside ``target``; when the block succeeds, publish it into ``target``.
     When it raises, the staging directory is removed and ``target`` is left exactly as it was."""
+    from safetensors import SafetensorError
+
     check_output_dir(target, overwrite, flag="output", kind=kind)
     target = Path(target).resolve()  # a symlinked target: write into the directory it points to
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=target.parent))
@@ -126,6 +128,11 @@ def staged_directory(
         publish(staging, target)
     except OSError as error:
         raise OutputError(f"Could not write {str(target)!r}: {error}. Nothing was changed there.") from error
+    except SafetensorError as error:  # safetensors reports a full disk or a failed write as its own error
+        if "I/O error" not in str(error):
+            raise
+        raise OutputError(f"Could not write {str(target)!r}: {' '.join(str(error).split())}. Nothing was changed "
+                          "there; free some space or choose another place.") from error
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -133,7 +140,11 @@ def staged_directory(
 def publish(staging: Path, target: Path) -> None:
     """Move the complete ``staging`` directory into ``target``. An absent or empty target is replaced in one
     rename; otherwise each staged file replaces its namesake (``config.json`` last), stale weight files are
-    removed, and every other file in ``target`` stays."""
+    removed, and every other file in ``target`` stays.
+
+    All or nothing: each file replaced or removed is first moved aside into a hidden folder beside ``target``, and
+    when a move fails (a file the process may not replace, say) every move is undone before the error is raised, so
+    the old checkpoint stays whole. Only a failure of the undo itself leaves files aside, and its error says where."""
     if not target.exists() or (target.is_dir() and not any(target.iterdir())):
         os.replace(staging, target)
         return
@@ -144,13 +155,39 @@ def publish(staging: Path, target: Path) -> None:
     if blocked:  # checked before anything moves
         raise OutputError(f"Cannot overwrite {str(target)!r}: {blocked} exist there as directories. Choose a new or "
                           "empty directory.")
-    for name in names:
-        os.replace(staging / name, target / name)
-    for stale in target.iterdir():
-        if stale.name not in names and stale.is_file() and any(
-            fnmatch.fnmatchcase(stale.name, pattern) for pattern in WEIGHT_PATTERNS
-        ):
-            stale.unlink()
+    stale = [path.name for path in target.iterdir() if path.name not in names and path.is_file() and any(
+        fnmatch.fnmatchcase(path.name, pattern) for pattern in WEIGHT_PATTERNS)]
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.previous-", dir=target.parent))
+    moves: list[tuple[Path, Path]] = []  # (from, to) of every rename done, in order
+    try:
+        for name in names:
+            if os.path.lexists(target / name):
+                _move(target / name, aside / name, moves)
+            _move(staging / name, target / name, moves)
+        for name in stale:
+            _move(target / name, aside / name, moves)
+    except OSError as error:
+        _undo(moves, target, aside, error)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _move(source: Path, destination: Path, moves: list[tuple[Path, Path]]) -> None:
+    os.replace(source, destination)
+    moves.append((source, destination))
+
+
+def _undo(moves: list[tuple[Path, Path]], target: Path, aside: Path, error: OSError) -> None:
+    """Rename back, last first, what ``publish`` moved before ``error``; then drop the empty ``aside`` folder."""
+    try:
+        for source, destination in reversed(moves):
+            os.replace(destination, source)
+    except OSError as undo_error:
+        raise OutputError(
+            f"Could not write {str(target)!r}: {error}; putting the previous files back failed too "
+            f"({undo_error}): the files not back in place are in {str(aside)!r}, move them back by hand."
+        ) from error
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_file_atomic(path: str | os.PathLike[str], data: str | bytes) -> Path:
