@@ -9,7 +9,7 @@ import sys
 
 from ..errors import PosSwapError, one_line
 from .console import out_of_memory, out_of_memory_message, program_notes_hidden
-from .parser import finetune_parser
+from .parser import finetune_parser, forget_given
 from .wording import in_cli_words
 
 __all__ = ["main"]
@@ -21,7 +21,7 @@ PROG = "hf-posswap finetune"
 def main(argv: list[str] | None = None) -> int:
     """Parse, run, report. A user error (bad value, file or directory; a diverged run) is one line on stderr and
     exit status 1; a bad command line exits with 2 (argparse)."""
-    args = finetune_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = forget_given(finetune_parser().parse_args(sys.argv[1:] if argv is None else argv))
     from ..training.config import config_from_args
     from ..training.loop import finetune
 

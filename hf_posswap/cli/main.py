@@ -118,30 +118,12 @@ def _save(model, tokenizer, output: str, overwrite: bool) -> None:
 
 def _export(argv: list[str]) -> int:
     args = PARSERS["export"]().parse_args(argv)
-    from ..core.state import MODEL_TYPE_PREFIX
     from ..persistence.export import export_standalone
     from ..persistence.loading import inspect_model_path
-    from ..persistence.saving import check_output_dir
+    from .checks import check_checkpoint_output, check_exportable
 
-    check_output_dir(args.output, args.overwrite, flag="output")
-    source = inspect_model_path(args.checkpoint, flag="checkpoint")
-    swapped = source.record.get("scheme") if source.record else "posswap" in source.config
-    if not swapped:
-        raise InvalidConfigError(
-            f"checkpoint {args.checkpoint!r} carries no hf_posswap swap (its config.json has no posswap record): "
-            "it already loads with plain transformers; copy it instead of exporting."
-        )
-    model_type = str(source.config.get("model_type", ""))
-    if swapped and not model_type.startswith(MODEL_TYPE_PREFIX):  # a swap transformers expresses by itself
-        record = source.config.get("posswap") if isinstance(source.config.get("posswap"), dict) else {}
-        extension = record.get("extension") if isinstance(record.get("extension"), dict) else {}
-        what = f"'{record.get('scheme', 'native')}'" + (f", extended with '{extension['method']}'"
-                                                       if extension.get("method") else "")
-        raise InvalidConfigError(
-            f"checkpoint {args.checkpoint!r} already loads without hf_posswap: its positions ({what}) are "
-            f"written in transformers' own config (model_type '{model_type}'), so plain "
-            "AutoModel*.from_pretrained reads them; there is nothing to export: copy the folder instead."
-        )
+    check_checkpoint_output(args.output, args.overwrite, flag="output")
+    check_exportable(inspect_model_path(args.checkpoint, flag="checkpoint"), args.checkpoint)
     model, tokenizer, _ = _load(args.checkpoint)
     path = export_standalone(model, args.output, overwrite=args.overwrite, tokenizer=tokenizer)
     print(f"wrote {path} ({type(model).__name__}); load it with trust_remote_code=True")
@@ -154,10 +136,11 @@ def _eval(argv: list[str]) -> int:
     from ..evaluation.checks import check_results_output, check_settings
     from ..persistence.loading import inspect_model_path, load_model, load_tokenizer
     from ..persistence.user_files import read_text_files
+    from .checks import check_learned_table, check_text_covers, write_results
 
     check_settings(args.lengths, args.mode, args.stride, args.tail_from, args.max_windows, args.passkey_lengths,
                    args.depths, args.trials)
-    if args.output:
+    if args.output is not None:
         check_results_output(args.output)
     elif sys.stdout is None:  # started with stdout closed (`>&-`): the results would be computed and thrown away
         raise InvalidConfigError("stdout is closed and no --output was given, so the results would be lost; pass "
@@ -169,19 +152,23 @@ def _eval(argv: list[str]) -> int:
             f"--model {args.model!r} is a {source.model_type} encoder (bidirectional attention): next-token "
             "perplexity and passkey retrieval do not apply to it. Evaluate a causal LM (GPT-2, LLaMA, ...)."
         )
+    check_learned_table(source, args.lengths)
     tokenizer = load_tokenizer(source, required=True)
     # needs only the tokenizer: before the model loads
+    check_text_covers(tokenizer, text, args.corpus, args.lengths)
     check_passkey_lengths(tokenizer, args.passkey_lengths, args.depths, args.trials)
     model = load_model(source, "causal", dtype=args.dtype)
     results = evaluate(model, tokenizer, args.lengths, text=text, corpus=args.corpus, modes=args.mode,
                        stride=args.stride, tail_from=args.tail_from, max_windows=args.max_windows or None,
                        passkey_lengths=args.passkey_lengths, depths=args.depths, trials=args.trials,
-                       output=args.output, progress=not args.no_progress)
+                       progress=not args.no_progress)
     for row in results["perplexity"]:
         print(f"perplexity  length {row['length']:>6}  {row['mode']:<8} {row['perplexity']:10.3f}  "
               f"({row['tokens']} tokens)")
     for row in results["passkey"]:
         print(f"passkey     length {row['length']:>6}  depth {row['depth']:.2f}  accuracy {row['accuracy']:.2f}")
+    if args.output is not None:  # written last: a failed write prints the results as JSON first
+        write_results(results, args.output)
     return 0
 
 
@@ -209,8 +196,11 @@ def _extend_command(argv: list[str]) -> int:
     if args.method is not None and args.method not in available_extension_methods():
         raise InvalidConfigError(f"--method {args.method!r} is unknown; choose from "
                                  f"{', '.join(available_extension_methods())}.")
+    from .checks import check_checkpoint_output
+
     options = _options(args.option)
     given = given_training_options(args)
+    check_checkpoint_output(args.output, args.overwrite, run=args.train)
     if args.train:
         from .recipe import extend_and_train
 
@@ -218,15 +208,18 @@ def _extend_command(argv: list[str]) -> int:
     if given:
         raise UsageError(f"{', '.join(given)} {'is an option' if len(given) == 1 else 'are options'} of training; "
                          "add --train to fine-tune after extending (see hf-posswap extend --help)")
+    from .checks import check_extension
+
+    check_extension(args.model, args.to, args.method, options, train=False)
     return _load_change_save(args, lambda model: extend_context(model, args.to, args.method, **options))
 
 
 def _load_change_save(args, change) -> int:
     """``swap`` and ``extend``: check the output, load ``--model``, change it, save it with its tokenizer, describe."""
     from ..core.describe import describe
-    from ..persistence.saving import check_output_dir
+    from .checks import check_checkpoint_output
 
-    check_output_dir(args.output, args.overwrite)
+    check_checkpoint_output(args.output, args.overwrite)
     model, tokenizer, _ = _load(args.model)
     change(model)
     _save(model, tokenizer, args.output, args.overwrite)
@@ -243,16 +236,14 @@ def _inspect(argv: list[str]) -> int:
     from ..evaluation.plots import position_pictures
     from ..persistence.saving import check_output_dir
 
-    if args.length is not None and args.length < 2:
-        raise InvalidConfigError(f"--length {args.length}: draw at least 2 positions.")
-    if args.length is not None and args.length > MAX_INSPECT_LENGTH:
-        raise InvalidConfigError(
-            f"--length {args.length}: the pictures draw at most {MAX_INSPECT_LENGTH} positions (a picture is a few "
-            f"hundred pixels across, and the bias picture holds heads x length x length numbers); pass --length "
-            f"{MAX_INSPECT_LENGTH} or less."
-        )
     if args.scheme:
         _check_scheme(args.scheme, {})
+    from ..persistence.output_names import check_output_given
+    from .checks import check_drawable, check_inspect_length
+
+    check_inspect_length(args.length, MAX_INSPECT_LENGTH)
+    check_output_given(args.output, example="pictures/")
+    check_drawable(args.model, args.scheme)
     if Path(args.output).exists() and not Path(args.output).is_dir():
         raise InvalidConfigError(f"--output {args.output!r} is a file; give a directory for the PNG files.")
     check_output_dir(args.output, overwrite=True, kind="files")  # the pictures replace only their own files
@@ -329,7 +320,7 @@ USAGE = """usage: hf-posswap {demo,doctor,eval,export,extend,finetune,inspect,pl
   plot     perplexity-against-length and passkey pictures from `eval` results
   schemes  print the family x scheme support matrix
 
-Run `hf-posswap COMMAND --help` for the options of one command."""
+Run `hf-posswap COMMAND --help` for the options of one command; `hf-posswap --version` prints the version."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,6 +346,11 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from ..version import __version__
+
+        print(f"hf-posswap {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:

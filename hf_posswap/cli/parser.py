@@ -44,12 +44,55 @@ class DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} (default: {' '.join(map(str, default)) if isinstance(default, list) else default})"
 
 
+#: the namespace attribute where :class:`StoreOnce` notes the options given so far (removed after parsing)
+GIVEN = "_options_given"
+
+
+class StoreOnce(argparse._StoreAction):
+    """A single-valued option (``--scheme``, ``--lengths``, ...): given twice, the command line is refused, as a
+    repeated ``--option`` key is, rather than the last value silently replacing the first."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        given = vars(namespace).setdefault(GIVEN, {})
+        if option_string is not None and self.dest in given:
+            shown = " ".join(map(str, values)) if isinstance(values, list) else values
+            raise argparse.ArgumentError(self, f"given twice ({given[self.dest]}, then {option_string} {shown}); "
+                                               "give it once, with the value you mean")
+        if option_string is not None:
+            shown = " ".join(map(str, values)) if isinstance(values, list) else values
+            given[self.dest] = f"{option_string} {shown}".strip()
+        super().__call__(parser, namespace, values, option_string)
+
+
+def single_valued(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` with each of its single-valued options refusing to be given twice (:class:`StoreOnce`); for a
+    parser built elsewhere (``finetune``'s). Pass what it parses through :func:`forget_given`."""
+    for action in parser._actions:
+        if type(action) is argparse._StoreAction and action.option_strings:
+            action.__class__ = StoreOnce
+    return parser
+
+
+def forget_given(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` without :class:`StoreOnce`'s bookkeeping."""
+    vars(args).pop(GIVEN, None)
+    return args
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """argparse that raises :class:`UsageError` (printed as one line) instead of printing a usage block."""
+    """argparse that raises :class:`UsageError` (printed as one line) instead of printing a usage block, and refuses
+    a single-valued option given twice (:class:`StoreOnce`)."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(*args, **kwargs)
+        self.register("action", None, StoreOnce)
+        self.register("action", "store", StoreOnce)
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extras = super().parse_known_args(args, namespace)
+        return forget_given(parsed), extras
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{message} (see {self.prog} --help)")
@@ -178,7 +221,7 @@ def plot_parser() -> OneLineParser:
 def finetune_parser() -> argparse.ArgumentParser:
     from ..training.config import build_parser
 
-    return build_parser("hf-posswap finetune", formatter_class=DefaultsFormatter)
+    return single_valued(build_parser("hf-posswap finetune", formatter_class=DefaultsFormatter))
 
 
 #: the parser of every command but ``demo`` (whose parser lives with it in ``cli/demo.py``)

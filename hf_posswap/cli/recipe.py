@@ -120,41 +120,15 @@ def check_run_output(output: str, resume: bool, overwrite: bool) -> None:
     if resume and (target / "config.json").is_file() and not previous:
         raise InvalidConfigError(f"--resume: {output!r} holds a checkpoint but no run to continue "
                                  f"({RUN_DIR}/ is missing); pass --overwrite to replace it, or another --output.")
+    if finished and not (resume or overwrite):
+        raise InvalidConfigError(
+            f"--output {output!r} holds a finished extend --train run (its model is there, and {RUN_DIR}/ its "
+            "settings and loss log); pass another --output, or --overwrite to train again in its place.")
     if previous and not (resume or overwrite):
         raise InvalidConfigError(
             f"--output {output!r} holds an interrupted extend --train run ({RUN_DIR}/: {', '.join(previous)}); "
             "pass --resume to continue it, --overwrite to start again, or another --output.")
     check_output_dir(output, overwrite=overwrite or resume)
-
-
-def check_extension(model: str, to: int, method: str | None, options: dict[str, Any]) -> None:
-    """The extension from ``--model``'s config.json alone: ``--to`` is not shorter than the current length, and a
-    RoPE scaling's options build (``factor`` = to / trained length, as ``extend_context`` derives it)."""
-    from ..persistence.loading import inspect_model_path
-    from ..schemes.rope_scaling import SCALING_REGISTRY
-
-    source = inspect_model_path(model)
-    if source.kind == "adapter":
-        raise InvalidConfigError(f"--model {model!r} is a LoRA adapter directory; --train starts from full weights: "
-                                 "pass its base model, or the merged model.")
-    config = source.config
-    record = config.get("posswap") if isinstance(config.get("posswap"), dict) else {}
-    extension = record.get("extension") if isinstance(record.get("extension"), dict) else {}
-    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
-    current = extension.get("max_position_embeddings") or config.get("max_position_embeddings")
-    original = (extension.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
-                or current)
-    if isinstance(current, int) and to < current:
-        raise InvalidConfigError(f"--to {to} is shorter than the model's current length {current}; extend only "
-                                 f"lengthens. Pass --to >= {current}.")
-    if method in SCALING_REGISTRY and isinstance(original, int):
-        values = {"factor": to / original, "original_max_position_embeddings": original, **options}
-        try:
-            SCALING_REGISTRY.get(method).from_options(**values)
-        except PosSwapError as error:  # "YarnScaling.beta_fast must be ..." -> "--option beta_fast must be ..."
-            raise InvalidConfigError(re.sub(r"\b[A-Z]\w*Scaling\.(\w+)", r"--option \1", one_line(error))) from error
-        except (TypeError, ValueError) as error:
-            raise InvalidConfigError(f"--method {method} with options {options}: {one_line(error)}") from error
 
 
 def finetune_config(args: argparse.Namespace, options: dict[str, Any], settings: dict[str, Any]):
@@ -164,6 +138,10 @@ def finetune_config(args: argparse.Namespace, options: dict[str, Any], settings:
     if not settings.get("data"):
         raise InvalidConfigError("--train needs --data: the text files to fine-tune on (text the evaluation does "
                                  "not use).")
+    lora_options = [f"--{name.replace('_', '-')}" for name in ("lora_r", "lora_alpha") if hasattr(args, name)]
+    if settings["full"] and lora_options:
+        raise InvalidConfigError(f"--full and {' and '.join(lora_options)} exclude each other: --full trains every "
+                                 "weight, with no LoRA adapters to size. Drop one.")
     if settings["no_pose"] and hasattr(args, "pose_target"):
         raise InvalidConfigError("--pose-target and --no-pose exclude each other: --no-pose trains with plain "
                                  "positions. Pick one.")
@@ -206,9 +184,11 @@ def _in_extend_words(error: PosSwapError) -> PosSwapError:
 
 def extend_and_train(args: argparse.Namespace, options: dict[str, Any]) -> int:
     """Check everything, train in ``<output>/training``, publish the merged model into ``<output>``."""
+    from .checks import check_extension
+
     settings = training_settings(args)
     check_run_output(args.output, settings["resume"], bool(args.overwrite))
-    check_extension(args.model, args.to, args.method, options)
+    check_extension(args.model, args.to, args.method, options, train=True)
     config = finetune_config(args, options, settings)
     from ..training.data import expand_paths
     from ..training.loop import finetune

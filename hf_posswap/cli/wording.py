@@ -9,6 +9,13 @@ from __future__ import annotations
 
 import re
 
+#: the scheme config classes, whose fields are ``--option`` keys (``hf_posswap.available_schemes()``'s classes;
+#: tests/cli/test_cli_results_and_messages.py checks they agree). Only these are rewritten: a transformers model
+#: config named in a message (``BertConfig(is_decoder=True)``) is a setting of the model, not an option of the command.
+SCHEME_CONFIGS = ("AlibiConfig", "FireConfig", "KerpleConfig", "LearnedConfig", "NoPEConfig", "ProportionalRopeConfig",
+                  "RopeConfig", "SandwichConfig", "SinusoidalConfig", "T5BiasConfig", "XposConfig")
+_SCHEME_CONFIG = rf"\b(?:{'|'.join(SCHEME_CONFIGS)})"
+
 #: (command or None for all, pattern, replacement), applied in order
 _REWRITES: tuple[tuple[str | None, str, str], ...] = (
     (None, r"List them with hf_posswap\.available_schemes\(\)\.", "List them with `hf-posswap schemes`."),
@@ -29,11 +36,13 @@ _REWRITES: tuple[tuple[str | None, str, str], ...] = (
     ("finetune", r"^resume and overwrite_output_dir exclude", "--resume and --overwrite-output-dir exclude"),
     ("finetune", r"\bscheme_options (\{.*?\}) need a scheme to apply to",
      r"--scheme-option \1 needs a --scheme to apply to"),
+    # a decoder is a setting of the model: its config.json, which every command reads
+    (None, r"\b(?:e\.g\. )?[A-Z]\w*Config\(is_decoder=True\)", 'set "is_decoder": true in its config.json'),
     # scheme options are `--option key=value` on the command line
-    (None, r"\b[A-Z]\w*Config\(max_positions=\.\.\.\)\)", "--option max_positions=N)"),
-    (None, r"\bpass [A-Z]\w*Config\((\w+)=(\w+)\)", r"pass --option \1=\2"),
-    (None, r"\b[A-Z]\w*Config\((\w+)=(\w+)\)", r"--option \1=\2"),
-    (None, r"\b[A-Z]\w*Config\.(\w+)=", r"--option \1="),
+    (None, _SCHEME_CONFIG + r"\(max_positions=\.\.\.\)\)", "--option max_positions=N)"),
+    (None, r"\bpass " + _SCHEME_CONFIG + r"\((\w+)=(\w+)\)", r"pass --option \1=\2"),
+    (None, _SCHEME_CONFIG + r"\((\w+)=(\w+)\)", r"--option \1=\2"),
+    (None, _SCHEME_CONFIG + r"\.(\w+)=", r"--option \1="),
     (None, r"\bor (keep_weights|trainable_slopes|shared_across_layers)=(True|False)\b",
      lambda m: f"or --option {m.group(1)}={m.group(2).lower()}"),  # type: ignore[misc]
     # evaluation settings are options of `eval`

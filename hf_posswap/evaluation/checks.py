@@ -171,10 +171,14 @@ def check_lengths_fit(model: nn.Module, longest: int) -> None:
 
 def check_results_output(path: str | os.PathLike[str], flag: str = "--output") -> None:
     """Where results JSON goes: a writable place, and never over an existing file that is not earlier results
-    (``--output model/config.json`` would otherwise destroy a checkpoint)."""
+    (``--output model/config.json`` would otherwise destroy a checkpoint); the directory must take a new file under
+    the temporary name the results are written through, so a long evaluation never ends in a failed write."""
+    from ..persistence.output_names import check_file_writable, check_output_given
     from ..persistence.saving import check_output_file
 
+    check_output_given(str(path), flag=flag)
     target = check_output_file(path, flag=flag)
+    check_file_writable(path, flag=flag)
     if not target.exists():
         return
     try:

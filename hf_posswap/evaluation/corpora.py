@@ -29,4 +29,5 @@ def corpus_text(name: str) -> str:
 
 
 def text_digest(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+    """The SHA-256 of ``text`` (UTF-8), all 64 hex digits: what the results' ``sha256`` field holds."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -62,8 +63,24 @@ def evaluate(
     if output is not None:
         from ..persistence.saving import write_file_atomic
 
-        write_file_atomic(output, json.dumps(results, indent=2))
+        write_file_atomic(output, results_json(results))
     return results
+
+
+def results_json(results: dict[str, Any]) -> str:
+    """``results`` as JSON text that every JSON reader takes: a non-finite number (the perplexity of a model that
+    computes NaN or overflows) is written as ``null``, since JSON has no NaN or Infinity."""
+    return json.dumps(_finite_or_none(results), indent=2, allow_nan=False)
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(item) for item in value]
+    return value
 
 
 def _measure(model: nn.Module, tokenizer, lengths: Sequence[int], text: str | None, corpus: str,

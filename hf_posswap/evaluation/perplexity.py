@@ -115,9 +115,12 @@ def plan_windows(
     token_ids = token_stream(token_ids)
     if mode not in MODES:
         raise InvalidConfigError(f"Unknown perplexity mode '{mode}'. Modes: {', '.join(MODES)}.")
-    if isinstance(length, bool) or not isinstance(length, int) or length < 2 or token_ids.numel() < length:
+    if isinstance(length, bool) or not isinstance(length, int) or length < 2:
+        raise InvalidConfigError(f"Length {length!r}: a window needs an integer of at least 2 tokens.")
+    if token_ids.numel() < length:
         raise InvalidConfigError(
-            f"Length {length} needs at least {length} tokens of text (got {token_ids.numel()}) and must be >= 2."
+            f"Length {length} needs at least {length} tokens of text, and the text has {token_ids.numel()}; give a "
+            f"longer text (or a larger corpus) or lengths of at most {token_ids.numel()}."
         )
     return _plan(token_ids.numel(), length, mode, stride, tail_from, model)
 

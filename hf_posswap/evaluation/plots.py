@@ -333,21 +333,19 @@ def _save(figure, path: str | os.PathLike[str]) -> Path:
 
 def check_picture_output(path: str | os.PathLike[str], flag: str = "--output") -> None:
     """A picture file that can be written: a supported suffix, an existing writable directory, and one that takes a
-    new file (``/proc`` passes the permission check but takes none); checked before anything is read or drawn."""
-    import tempfile
-
+    new file under the temporary name the write uses (``/proc`` passes the permission check but takes none; a name
+    near the file system's limit passes until the temporary name's extra characters); checked before anything is
+    read or drawn."""
+    from ..persistence.output_names import check_file_writable, check_output_given
     from ..persistence.saving import OutputError, check_output_file
 
-    target = check_output_file(path, flag=flag)
+    check_output_given(str(path), flag=flag, example="perplexity.png")
+    if Path(path).is_dir():
+        raise OutputError(f"{flag} {str(path)!r} is a directory; give a picture file name (e.g. "
+                          f"{Path(path) / 'perplexity.png'}).")
+    check_output_file(path, flag=flag)
     check_picture_path(path, flag=flag)
-    directory = target.resolve().parent
-    try:
-        handle, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=directory)
-    except OSError as error:
-        raise OutputError(f"{flag} {str(path)!r}: cannot write a file in {str(directory)!r} "
-                          f"({error.strerror or error}); choose another place.") from error
-    os.close(handle)
-    os.unlink(probe)
+    check_file_writable(path, flag=flag)
 
 
 PICTURE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")

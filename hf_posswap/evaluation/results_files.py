@@ -23,18 +23,40 @@ def load_runs(paths: Sequence[str], mode: str | None = None, passkey: bool = Fal
         label, sep, path = item.partition("=")
         if not sep or Path(item).exists():
             label, path = Path(item).stem, item
-        if not Path(path).is_file():
-            raise InvalidConfigError(f"Results file {path!r} does not exist; pass the --output of hf-posswap eval.")
+        _check_run(item, label, path)
         if label in runs:
             raise InvalidConfigError(
                 f"Two runs are labelled {label!r} ({sources[label]!r} and {path!r}), and a picture tells runs apart "
                 f"by label; name them: {label}-a={sources[label]} {label}-b={path}."
             )
-        results = read_json(Path(path), flag="results")
+        results = read_json(Path(path), flag="results", fix="restore the file or run hf-posswap eval again")
+        _missing_as_nan(results)
         _check_perplexity_rows(results, path, mode)
         check_passkey_rows(results, repr(path), required=passkey and not runs)  # the first run's passkey is drawn
         runs[label], sources[label] = results, path
     return runs
+
+
+def _check_run(item: str, label: str, path: str) -> None:
+    """A run names an existing results file, with a label that is not empty (``=r.json`` would draw an unnamed
+    line)."""
+    if not label.strip():
+        raise InvalidConfigError(f"Run {item!r} has an empty label; write label=results.json (e.g. "
+                                 f"mine={path or 'results.json'}), or the file alone to be labelled by its name.")
+    if Path(path).is_dir():
+        raise InvalidConfigError(f"Results file {path!r} is a directory; pass the results file in it (the --output "
+                                 f"of hf-posswap eval, e.g. {Path(path) / 'results.json'}).")
+    if not Path(path).is_file():
+        raise InvalidConfigError(f"Results file {path!r} does not exist; pass the --output of hf-posswap eval.")
+
+
+def _missing_as_nan(results: dict[str, Any]) -> None:
+    """A perplexity written as ``null`` (eval writes non-finite numbers so, as JSON has no NaN) is read as NaN: a
+    point the picture names and leaves out, as files written with a bare ``NaN`` were read."""
+    rows = results.get("perplexity")
+    for row in rows if isinstance(rows, list) else ():
+        if isinstance(row, dict) and "perplexity" in row and row["perplexity"] is None:
+            row["perplexity"] = math.nan
 
 
 def has_perplexity(runs: dict[str, dict[str, Any]]) -> bool:

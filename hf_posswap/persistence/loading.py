@@ -25,7 +25,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import PosSwapError, one_line
-from .user_files import check_safetensors, check_torch_file, read_json
+from .user_files import check_safetensors, check_torch_file, pickled_objects_message, read_json
 
 ADAPTER_CONFIG = "adapter_config.json"
 WEIGHT_FILES = (
@@ -259,6 +259,8 @@ def load_model(source: ModelSource, task: str = "saved", merge: bool = False, dt
     except PosSwapError:
         raise
     except (OSError, ValueError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
+        if "Weights only load failed" in str(error):  # torch.load(weights_only=True) met a pickled object
+            raise CheckpointError(pickled_objects_message(source.path)) from error
         message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         if "mismatch" in message:
             message = ("its weights do not match its config.json (see the report above); restore the config.json "

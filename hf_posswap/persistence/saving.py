@@ -157,7 +157,7 @@ def publish(staging: Path, target: Path) -> None:
                           "empty directory.")
     stale = [path.name for path in target.iterdir() if path.name not in names and path.is_file() and any(
         fnmatch.fnmatchcase(path.name, pattern) for pattern in WEIGHT_PATTERNS)]
-    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.previous-", dir=target.parent))
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
     moves: list[tuple[Path, Path]] = []  # (from, to) of every rename done, in order
     try:
         for name in names:

@@ -17,8 +17,10 @@ class UserFileError(PosSwapError, ValueError):
     """A file that is missing, unreadable, corrupt, truncated or of the wrong kind."""
 
 
-def read_json(path: Path, flag: str = "--model") -> dict[str, Any]:
-    """A JSON object from ``path``; any problem becomes one :class:`UserFileError` naming the file."""
+def read_json(path: Path, flag: str = "--model",
+              fix: str = "restore the file or re-save the checkpoint") -> dict[str, Any]:
+    """A JSON object from ``path``; any problem becomes one :class:`UserFileError` naming the file (and, for a file
+    that is not JSON, ``fix``: what restores it)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as error:
@@ -28,7 +30,7 @@ def read_json(path: Path, flag: str = "--model") -> dict[str, Any]:
     except json.JSONDecodeError as error:
         raise UserFileError(
             f"{flag}: {str(path)!r} is not valid JSON ({error.msg} at line {error.lineno} column {error.colno}); "
-            "restore the file or re-save the checkpoint."
+            f"{fix}."
         ) from error
     if not isinstance(data, dict):
         raise UserFileError(f"{flag}: {str(path)!r} must hold a JSON object, got {type(data).__name__}.")
@@ -45,6 +47,15 @@ def check_torch_file(path: Path) -> None:
     if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
         raise UserFileError(f"{str(path)!r} is not a PyTorch weights file (empty or corrupt); re-save or "
                               "re-download the model.")
+
+
+def pickled_objects_message(path: str) -> str:
+    """A ``.bin`` weights file that holds pickled objects other than tensors: named, with the safe fix."""
+    files = sorted(Path(path).glob("pytorch_model*.bin")) if Path(path).is_dir() else []
+    named = repr(str(files[0])) if len(files) == 1 else f"the pytorch_model*.bin files in {path!r}"
+    return (f"{named} holds objects other than tensors (pickled Python objects, which could run code when "
+            "unpickled), so it will not be unpickled. Save the weights as safetensors from a trusted environment "
+            "(model.save_pretrained(directory) writes model.safetensors) and load that directory instead.")
 
 
 def check_safetensors(path: Path) -> list[str]:

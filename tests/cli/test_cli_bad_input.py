@@ -251,6 +251,55 @@ def _run(argv: list[str], ws: Path, capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+OUT = ["--output", "{ws}/o"]
+BEFORE_LOADING += [  # known from the command line, config.json or the tokenizer: refused before the model loads
+    ("eval-output-name-too-long-for-its-temporary-name",
+     E + ["{ws}/llama", "--output", "{ws}/" + "y" * 245 + ".json"],
+     "the name is 250 bytes long, and the temporary name it is written under adds 14, past this file system's limit"),
+    ("swap-output-name-too-long-for-its-staging-name", ["swap", "--model", "{ws}/llama", "--scheme", "alibi",
+                                                        "--output", "{ws}/" + "y" * 245],
+     "the name is 245 bytes long, and the temporary name it is written under adds 18"),
+    ("swap-output-name-past-the-limit", ["swap", "--model", "{ws}/llama", "--scheme", "alibi", "--output",
+                                         "{ws}/" + "y" * 300], "--output '{ws}/yyy"),
+    ("eval-output-empty", E + ["{ws}/llama", "--output", ""], "--output is empty (''); give a file name"),
+    ("swap-output-empty", ["swap", "--model", "{ws}/llama", "--scheme", "alibi", "--output", ""],
+     "--output is empty (''); give a directory name"),
+    ("eval-length-past-learned-table", ["eval", "--model", "{ws}/gpt2", "--lengths", "100", "--corpus", "pydoc"],
+     "--lengths 100 exceeds the model's learned position table (64 positions, its config.json)"),
+    ("eval-text-shorter-than-a-length", E + ["{ws}/llama", "--text", "{ws}/notes.txt"],
+     "--lengths 32: a window needs 32 tokens of text, and the --text files hold 5; give a longer text"),
+    ("extend-rope-scaling-without-rope", ["extend", "--model", "{ws}/gpt2", "--to", "512", "--method", "yarn", *OUT],
+     "--method yarn scales RoPE, and --model '{ws}/gpt2' carries a learned position table"),
+    ("extend-bad-method-option", ["extend", "--model", "{ws}/llama", "--to", "512", "--option", "beta_fast=-1", *OUT],
+     "--method yarn: --option beta_fast must be a positive finite number, got -1"),
+    ("extend-unknown-method-option", ["extend", "--model", "{ws}/llama", "--to", "512", "--option", "bogus=1", *OUT],
+     "has no option 'bogus'"),
+    ("extend-self-extend-group-0", ["extend", "--model", "{ws}/llama", "--to", "512", "--method", "self_extend",
+                                    "--option", "group_size=0", *OUT], "--option group_size must be an integer >= 1"),
+    ("extend-to-the-current-length", ["extend", "--model", "{ws}/gpt2", "--to", "64", *OUT],
+     "--to 64: --model '{ws}/gpt2' already has 64 positions; nothing to extend"),
+    ("inspect-scheme-none", ["inspect", "--model", "{ws}/llama", "--scheme", "none", "--output", "{ws}/pics"],
+     "--scheme 'none' (NoPE): it carries no position signal, so there is nothing to draw"),
+    ("inspect-layer-mix", ["inspect", "--model", "{ws}/llama", "--scheme", "layer_mix", "--output", "{ws}/pics"],
+     "inspect draws one scheme at a time, and a mix gives each layer its own; with its default options every layer "
+     "has RoPE, so draw it with --scheme rope"),
+    ("eval-repeated-single-valued-option", ["eval", "--model", "{ws}/llama", "--lengths", "32", "--lengths", "64"],
+     "argument --lengths: given twice (--lengths 32, then --lengths 64)"),
+    ("swap-repeated-scheme", ["swap", "--model", "{ws}/llama", "--scheme", "alibi", "--scheme", "rope", *OUT],
+     "argument --scheme: given twice (--scheme alibi, then --scheme rope)"),
+    ("extend-train-full-with-lora-rank", ["extend", "--model", "{ws}/llama", "--to", "256", "--train", "--data",
+                                          "{ws}/notes.txt", "--full", "--lora-r", "4", *OUT],
+     "--full and --lora-r exclude each other"),
+    ("plot-results-is-a-directory", ["plot", "{ws}/empty_dir", "--output", "{ws}/p.png"],
+     "Results file '{ws}/empty_dir' is a directory; pass the results file in it"),
+    ("plot-empty-label", ["plot", "={ws}/results.json", "--output", "{ws}/p.png"], "has an empty label"),
+    ("plot-output-is-a-directory", ["plot", "{ws}/results.json", "--output", "{ws}/empty_dir/"],
+     "is a directory; give a picture file name (e.g. {ws}/empty_dir/perplexity.png)"),
+    ("plot-corrupt-results-fix", ["plot", "{ws}/corrupt.json", "--output", "{ws}/p.png"],
+     "restore the file or run hf-posswap eval again"),
+]
+
+
 BEFORE_LOADING.append(  # the position weights would be dropped silently by a plain-type load
     ("eval-position-weights-under-a-plain-model-type", E + ["{ws}/disguised"],
      "holds hf_posswap position weights ['model.posswap_positions.tables.0.weight']"))
@@ -274,8 +323,6 @@ def test_bad_input_is_one_line_before_loading(ws, capsys, monkeypatch, argv, nee
 
 AFTER_LOADING = [  # refused once the model is known, still before any forward pass or write
     ("eval-passkey-shorter-than-needle", E + ["{ws}/llama", "--passkey-lengths", "20"], "Passkey length 20"),
-    ("eval-length-past-learned-table", ["eval", "--model", "{ws}/gpt2", "--lengths", "100", "--corpus", "pydoc"],
-     "Length 100 exceeds the model's learned position table"),
     ("inspect-length-past-learned-table", ["inspect", "--model", "{ws}/gpt2", "--length", "100", "--output",
                                            "{ws}/pictures"], "Length 100 exceeds"),
     ("extend-shorter", ["extend", "--model", "{ws}/llama", "--to", "16", "--output", "{ws}/short"], "16"),

@@ -50,7 +50,7 @@ def test_inspect_of_a_scheme_without_position_signal_says_so(ws, tmp_path, capsy
     for family in ("gpt2", "llama"):
         out = tmp_path / family
         assert main(["inspect", "--model", str(ws / family), "--scheme", "none", "--output", str(out)]) == 1
-        assert "scheme 'none' carries no position signal to draw" in capsys.readouterr().err
+        assert "--scheme 'none' (NoPE): it carries no position signal" in capsys.readouterr().err
         assert not list(out.glob("*.png"))  # not RoPE's curve for a LLaMA swapped to none
 
 

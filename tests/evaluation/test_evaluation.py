@@ -165,7 +165,8 @@ def test_passkey_prompt_length_and_depth() -> None:
 def test_errors() -> None:
     with pytest.raises(ps.InvalidConfigError, match=r"Unknown perplexity mode 'window'. Modes: windows, sliding"):
         perplexity(UniformModel(7), TOKENS, 50, "window")
-    with pytest.raises(ps.InvalidConfigError, match=r"Length 500 needs at least 500 tokens of text \(got 200\)"):
+    with pytest.raises(ps.InvalidConfigError,
+                       match=r"Length 500 needs at least 500 tokens of text, and the text has 200; give a longer text"):
         perplexity(UniformModel(7), TOKENS, 500)
     with pytest.raises(ps.InvalidConfigError, match=r"Tail NLL needs 0 < tail_from < length=50"):
         perplexity(UniformModel(7), TOKENS, 50, "tail", tail_from=60)

@@ -66,10 +66,10 @@ def test_a_failed_undo_says_where_the_previous_files_are_and_deletes_none(tmp_pa
     target, staging = _folder(tmp_path / "ckpt", OLD), _folder(tmp_path / "staging", NEW)
     _failing_replace(monkeypatch, lambda source, destination: source == target / "config.json"
                      or (source.name == "model.safetensors" and destination == target / "model.safetensors"
-                         and source.parent.name.startswith(".ckpt.previous-")))
-    with pytest.raises(OutputError, match=r"putting the previous files back failed too .* are in '.*\.ckpt\.previous-"):
+                         and source.parent.name.startswith(".ckpt.old-")))
+    with pytest.raises(OutputError, match=r"putting the previous files back failed too .* are in '.*\.ckpt\.old-"):
         publish(staging, target)
-    aside = next(tmp_path.glob(".ckpt.previous-*"))
+    aside = next(tmp_path.glob(".ckpt.old-*"))
     assert (aside / "model.safetensors").read_text() == "old weights"
     assert (target / "notes.txt").read_text() == "the user's notes"
 

@@ -56,18 +56,23 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # --- fast: refusals before anything loads ------------------------------------------------------------------------
 
-BAD = {  # id: (flags removed, arguments added (a repeated option's last value wins), message fragment, exit status)
+BAD = {  # id: (flags removed, arguments added, message fragment, exit status)
     "steps-without-train": (["--train"], [], "add --train", 2),
     "no-data": (["--data"], [], "--train needs --data", 1),
     "pose-past-to": ([], ["--pose-target", str(TO + 1)], f"--pose-target {TO + 1} is past --to {TO}", 1),
-    "seq-len-not-below-pose": ([], ["--seq-len", str(TO)], f"--pose-target {TO} must exceed --seq-len {TO}", 1),
+    "seq-len-not-below-pose": (["--seq-len"], ["--seq-len", str(TO)],
+                               f"--pose-target {TO} must exceed --seq-len {TO}", 1),
     "resume-and-overwrite": ([], ["--resume", "--overwrite"], "--resume and --overwrite exclude each other", 1),
-    "bad-lr": ([], ["--lr", "-1"], "--lr must be a finite number", 1),
+    "bad-lr": (["--lr"], ["--lr", "-1"], "--lr must be a finite number", 1),
     "bad-yarn-option": ([], ["--option", "beta_fast=-3"], "--option beta_fast must be a positive", 1),
-    "to-shorter": ([], ["--to", "16"], "--to 16 is shorter than the model's current length 64", 1),
+    "to-shorter": (["--to"], ["--to", "16"], "--to 16 is shorter than the model's current length 64", 1),
     "pose-and-no-pose": ([], ["--pose-target", "128", "--no-pose"], "--pose-target and --no-pose exclude", 1),
-    "adapter-as-model": ([], ["--model", "ADAPTER"], "is a LoRA adapter directory", 1),
-    "missing-data-file": ([], ["--data", "/nonexistent/*.txt"], "No training data matches", 1),
+    "adapter-as-model": (["--model"], ["--model", "ADAPTER"], "is a LoRA adapter directory", 1),
+    "missing-data-file": (["--data"], ["--data", "/nonexistent/*.txt"], "No training data matches", 1),
+    "full-with-lora-rank": ([], ["--full", "--lora-r", "4"], "--full and --lora-r exclude each other", 1),
+    "to-the-current-length": (["--to"], ["--to", str(TRAINED)],
+                              f"already has {TRAINED} positions; nothing to extend", 1),
+    "repeated-option": ([], ["--steps", "5"], "argument --steps: given twice (--steps 4, then --steps 5)", 2),
 }
 
 
@@ -111,6 +116,19 @@ def test_an_interrupted_run_is_refused_without_resume(base: Path, data: list[str
     assert cli(extend_argv(base, data, output)) == 1
     error = capsys.readouterr().err
     assert "interrupted extend --train run" in error and "--resume" in error and "--overwrite" in error, error
+
+
+def test_a_finished_run_is_called_finished_without_resume(base: Path, data: list[str], tmp_path: Path, no_loading,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """A finished run is not 'interrupted', and --resume (which would then say it finished) is not the fix."""
+    output = tmp_path / "out"
+    (output / "training").mkdir(parents=True)
+    for name in ("config.json", "training/finetune_config.json", "training/result.json"):
+        (output / name).write_text("{}", encoding="utf-8")
+    assert cli(extend_argv(base, data, output)) == 1
+    error = capsys.readouterr().err
+    assert "holds a finished extend --train run" in error and "--overwrite" in error, error
+    assert "interrupted" not in error and "--resume" not in error, error
 
 
 def test_a_finished_run_is_not_resumed(base: Path, data: list[str], tmp_path: Path, no_loading,

@@ -36,9 +36,13 @@ def run(workspace: Path, output: Path, family: str = "gpt2", **options) -> dict:
 
 
 def argv(workspace: Path, output: Path, *extra: str, family: str = "gpt2") -> list[str]:
-    return ["--model", str(workspace / family), "--data", str(workspace / "corpus" / "*.txt"), "--output",
-            str(output), "--seq-len", "32", "--batch-size", "2", "--steps", "2", "--lr", "2e-3", "--eval-fraction", "0",
-            "--eval-every", "0", "--save-every", "2", *extra]
+    """The command line of a tiny run; an option in ``extra`` replaces the default one (the command refuses an
+    option given twice)."""
+    defaults = [("--model", str(workspace / family)), ("--data", str(workspace / "corpus" / "*.txt")),
+                ("--output", str(output)), ("--seq-len", "32"), ("--batch-size", "2"), ("--steps", "2"),
+                ("--lr", "2e-3"), ("--eval-fraction", "0"), ("--eval-every", "0"), ("--save-every", "2")]
+    given = {item.split("=", 1)[0] for item in extra if item.startswith("--")}
+    return [*(part for flag, value in defaults if flag not in given for part in (flag, value)), *extra]
 
 
 def one_line_error(capsys: pytest.CaptureFixture, code: int) -> str:

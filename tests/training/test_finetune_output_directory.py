@@ -115,7 +115,7 @@ def test_overwrite_refuses_to_remove_the_model_it_is_to_train(workspace, tmp_pat
     that model before loading it: refused before anything is removed."""
     run(workspace, tmp_path, steps=2)
     weights = (tmp_path / "final" / "model.safetensors").read_bytes()
-    code = main(argv(workspace, tmp_path, "--overwrite-output-dir") + ["--model", str(tmp_path / "final")])
+    code = main(argv(workspace, tmp_path, "--overwrite-output-dir", "--model", str(tmp_path / "final")))
     line = one_line_error(capsys, code)
     assert f"--model '{tmp_path / 'final'}' lies inside {tmp_path / 'final'}, which --overwrite-output-dir" in line
     assert (tmp_path / "final" / "model.safetensors").read_bytes() == weights

@@ -109,11 +109,11 @@ def test_longer_sequences_work_with_a_scheme_that_has_no_table(workspace, tmp_pa
 
 
 def test_a_missing_or_adapter_model_is_one_line(workspace, tmp_path, capsys) -> None:
-    line = one_line_error(capsys, main(argv(workspace, tmp_path / "a") + ["--model", str(tmp_path / "missing")]))
+    line = one_line_error(capsys, main(argv(workspace, tmp_path / "a", "--model", str(tmp_path / "missing"))))
     assert str(tmp_path / "missing") in line
     run(workspace, tmp_path / "lora", steps=1, scheme="alibi", lora=True, save_every=1)
     adapter = str(tmp_path / "lora" / "adapter")
-    line = one_line_error(capsys, main(argv(workspace, tmp_path / "b") + ["--model", adapter]))
+    line = one_line_error(capsys, main(argv(workspace, tmp_path / "b", "--model", adapter)))
     assert "is a LoRA adapter directory" in line
 
 
@@ -131,7 +131,7 @@ def test_both_entry_points_print_one_line_and_fail(workspace, tmp_path, entry, f
     a_file.write_text("not a directory")
     flags = [flag.replace("{file}", str(a_file)) for flag in flags]
     named = named.replace("{file}", str(a_file))
-    command = [sys.executable, *entry, *argv(workspace, tmp_path / "out"), *flags]
+    command = [sys.executable, *entry, *argv(workspace, tmp_path / "out", *flags)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV)
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert named in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -153,7 +153,7 @@ def test_both_entry_points_print_one_line_and_fail(workspace, tmp_path, entry, f
 ])
 def test_more_bad_settings_are_refused_before_loading(workspace, tmp_path, capsys, no_model_loading, flags,
                                                       named) -> None:
-    assert named in one_line_error(capsys, main(argv(workspace, tmp_path / "run") + flags))
+    assert named in one_line_error(capsys, main(argv(workspace, tmp_path / "run", *flags)))
 
 
 def test_odd_data_files(workspace, tmp_path, capsys, no_model_loading) -> None:
