@@ -84,7 +84,7 @@ def _trained_length(source: ModelSource, current: int) -> int:
     config = _own_config(source)
     record = config.get("posswap") if isinstance(config.get("posswap"), dict) else {}
     extension = record.get("extension") if isinstance(record.get("extension"), dict) else {}
-    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    rope = next((config[key] for key in ("rope_parameters", "rope_scaling") if isinstance(config.get(key), dict)), {})
     original = extension.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
     return original if isinstance(original, int) and not isinstance(original, bool) else current
 
@@ -102,18 +102,20 @@ def check_extension(model: str, to: int, method: str | None, options: dict[str, 
                                  "pass its base model, or the merged model.")
     current = config_length(source)
     if current is not None:
-        _check_longer(model, to, current, train)
+        _check_longer(model, to, current, _trained_length(source, current), train)
     scheme = carried_scheme(source)
     method = method or ("yarn" if has_rope(scheme) else _default_method(scheme))
     _check_method_fits(model, method, scheme)
     _check_method_options(method, options, _trained_length(source, current) if current else None, to)
 
 
-def _check_longer(model: str, to: int, current: int, train: bool) -> None:
+def _check_longer(model: str, to: int, current: int, trained: int, train: bool) -> None:
+    """``--to`` at least the current length; equal to it only where that rescales from a shorter trained length (a
+    RoPE-scaled checkpoint given another method at its own length)."""
     if to < current:
         raise InvalidConfigError(f"--to {to} is shorter than the model's current length {current}; extend only "
                                  f"lengthens. Pass --to >= {current}.")
-    if to == current:
+    if to == current and trained == current:
         instead = " (to fine-tune at this length, use hf-posswap finetune)" if train else ""
         raise InvalidConfigError(f"--to {to}: --model {model!r} already has {current} positions; nothing to extend. "
                                  f"Pass a longer --to{instead}.")
@@ -189,11 +191,13 @@ def check_learned_table(source: ModelSource, lengths: list[int]) -> None:
     from ..schemes.learned import LearnedConfig
 
     scheme = carried_scheme(source)
-    current = config_length(source)
-    if not isinstance(scheme, LearnedConfig) or current is None or not lengths or max(lengths) <= current:
+    if not isinstance(scheme, LearnedConfig) or not lengths:
+        return
+    current = scheme.max_positions or config_length(source)  # a learned swap may have grown the table past config's
+    if current is None or max(lengths) <= current:
         return
     raise InvalidConfigError(
-        f"--lengths {max(lengths)} exceeds the model's learned position table ({current} positions, its "
+        f"--lengths {max(lengths)} exceeds the model's learned position table ({current} positions, from its "
         f"config.json). Use lengths <= {current}, or extend the context first (hf-posswap extend --to "
         f"{max(lengths)}).")
 

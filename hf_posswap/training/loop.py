@@ -14,7 +14,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
-from ..errors import PosSwapError
 from ..persistence.quiet import LOSS_TYPE_NOTE, SHARED_TENSOR_NOTE, hidden_logs
 from ..progress import Progress, is_terminal, library_bars
 from .accelerate_config import accelerate_environment_kept
@@ -125,7 +124,7 @@ def _own_output(output: Path, accelerator, config: FinetuneConfig) -> OutputLock
     refusal there (another run holds the folder, say) is raised in every process, not only in the main one (where
     the others would fail on its closed connection instead)."""
     lock = OutputLock(output)
-    refusal: PosSwapError | None = None
+    refusal: Exception | None = None
     if accelerator.is_main_process:
         try:
             lock.create_folder()
@@ -134,9 +133,9 @@ def _own_output(output: Path, accelerator, config: FinetuneConfig) -> OutputLock
         except BaseException as error:
             lock.discard_if_unused()
             lock.release()
-            if not isinstance(error, PosSwapError):
+            if not isinstance(error, Exception):  # Ctrl-C ends every process anyway
                 raise
-            refusal = error
+            refusal = error  # a refusal, or a folder that cannot be made (permissions): every process raises it
     refusal = from_main_process(accelerator, refusal)
     if refusal is not None:
         raise refusal

@@ -10,6 +10,7 @@ import struct
 import torch
 from torch import nn
 
+from ..errors import InvalidConfigError
 from .config import FinetuneConfig
 
 
@@ -66,6 +67,12 @@ class MaskedLMBatches:
     batches keep one epoch, so every evaluation scores the same masks."""
 
     def __init__(self, tokenizer, probability: float, seed: int, epoch: int = 0) -> None:
+        if tokenizer.mask_token_id is None:
+            raise InvalidConfigError(
+                f"The tokenizer ({type(tokenizer).__name__}) has no mask token, which masked-LM training puts where "
+                "the tokens to predict were; use the model's own tokenizer (with its [MASK]), or --objective causal "
+                "for a decoder."
+            )
         self.tokenizer, self.probability, self.seed, self.epoch = tokenizer, probability, seed, epoch
         self.special_ids = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
 
@@ -74,14 +81,18 @@ class MaskedLMBatches:
 
     def __call__(self, examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         rows = [self._masked_row(e["input_ids"]) for e in examples]
-        batch = {"input_ids": torch.stack([r[0] for r in rows]), "labels": torch.stack([r[1] for r in rows])}
-        return at_least_one_mask(batch, self.tokenizer)  # [B, seq_len] each
+        return {"input_ids": torch.stack([r[0] for r in rows]), "labels": torch.stack([r[1] for r in rows])}
 
     def _masked_row(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, labels) of one row [seq_len]: labels -100 where nothing is predicted."""
+        """(inputs, labels) of one row [seq_len]: labels -100 where nothing is predicted. A row whose draw chose no
+        token gets one, drawn from its own generator (a batch with none would have a 0/0 loss; choosing per row
+        keeps a row's masks independent of the rows it is batched with)."""
         generator = torch.Generator().manual_seed(self._row_seed(row))
-        chosen = torch.rand(row.shape, generator=generator) < self.probability
-        chosen &= ~torch.isin(row, self.special_ids)
+        maskable = ~torch.isin(row, self.special_ids)
+        chosen = (torch.rand(row.shape, generator=generator) < self.probability) & maskable
+        candidates = maskable.nonzero().flatten()
+        if not bool(chosen.any()) and candidates.numel():
+            chosen[candidates[torch.randint(candidates.numel(), (1,), generator=generator)]] = True
         replace = torch.rand(row.shape, generator=generator)  # < 0.8: [MASK]; 0.8-0.9: random token; else kept
         random_ids = torch.randint(len(self.tokenizer), row.shape, generator=generator, dtype=torch.long)
         inputs = torch.where(chosen & (replace < 0.8), self.tokenizer.mask_token_id, row)
@@ -101,16 +112,6 @@ def collator(tokenizer, objective: str, config: FinetuneConfig, held_out: bool =
     if objective == "mlm":
         return MaskedLMBatches(tokenizer, config.mlm_probability, config.seed, epoch=-1 if held_out else 0)
     return CausalBatches()
-
-
-def at_least_one_mask(batch: dict[str, torch.Tensor], tokenizer) -> dict[str, torch.Tensor]:
-    """A masked-LM batch with no masked token has a 0/0 (NaN) loss: mask its first token then."""
-    labels = batch["labels"]  # [B, seq_len], -100 where not masked
-    if bool((labels != -100).any()):
-        return batch
-    labels[0, 0] = batch["input_ids"][0, 0]
-    batch["input_ids"][0, 0] = tokenizer.mask_token_id
-    return batch
 
 
 def batch_loss(model, teacher, batch: dict[str, torch.Tensor], objective: str, config: FinetuneConfig,
@@ -136,11 +137,14 @@ def batch_loss(model, teacher, batch: dict[str, torch.Tensor], objective: str, c
         inputs.setdefault("attention_mask", torch.ones_like(inputs["input_ids"]))
     encoder_distill = teacher is not None and objective == "mlm"
     inputs.update(no_cache(objective))  # training builds no KV cache (and gradient checkpointing needs none)
-    outputs = model(**inputs, output_hidden_states=encoder_distill)
-    own = outputs.loss
-    if objective == "mlm" and global_masked:
+    own_loss = objective == "mlm" and global_masked is not None  # the model's own loss would be computed unused
+    outputs = model(**{k: v for k, v in inputs.items() if not (own_loss and k == "labels")},
+                    output_hidden_states=encoder_distill)
+    if own_loss:
         summed, _ = token_losses(outputs.logits, inputs["labels"], objective)  # [B]
-        own = summed.sum() * process[1] / global_masked
+        own = summed.sum() * process[1] / max(global_masked, 1)
+    else:
+        own = outputs.loss
     if teacher is None or config.distill_weight == 0:
         return own
     with torch.no_grad():

@@ -111,3 +111,35 @@ def test_a_repeated_finetune_option_is_refused(ws, tmp_path, capsys) -> None:
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "argument --steps: given twice (--steps 3, then --steps 4)" in lines[0], lines
+
+
+# --- early checks accept what the model can do ---------------------------------------------------------------------
+
+
+def test_eval_takes_lengths_a_grown_learned_table_holds(ws, tmp_path, capsys) -> None:
+    """A learned swap grown to 128 positions keeps config.json's 64: the early check reads the table's length from
+    the swap's record, as the loaded model has it."""
+    grown = tmp_path / "grown"
+    assert main(["swap", "--model", str(ws / "llama"), "--scheme", "learned", "--option", "max_positions=128",
+                 "--output", str(grown)]) == 0
+    capsys.readouterr()
+    argv = ["eval", "--model", str(grown), "--corpus", "pydoc", "--max-windows", "1", "--no-progress", "--lengths"]
+    assert main([*argv, "100"]) == 0, capsys.readouterr().err
+    assert main([*argv, "129"]) == 1
+    assert "learned position table (128 positions" in capsys.readouterr().err
+
+
+def test_extend_rescales_a_rope_scaled_checkpoint_at_its_own_length(ws, tmp_path, capsys) -> None:
+    """A checkpoint trained at 32 and YaRN-scaled to 64: another method at 64 is a change (it rescales from 32), not
+    the no-op --to 64 is on an unscaled model."""
+    scaled = tmp_path / "yarn"
+    save_tiny_checkpoint("llama", scaled, max_position_embeddings=64,
+                         rope_parameters={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32,
+                                          "rope_theta": 10000.0})
+    assert main(["extend", "--model", str(scaled), "--to", "64", "--method", "linear", "--output",
+                 str(tmp_path / "linear")]) == 0, capsys.readouterr().err
+    written = json.loads((tmp_path / "linear" / "config.json").read_text())
+    assert written["rope_parameters"]["rope_type"] == "linear" and written["rope_parameters"]["factor"] == 2.0
+    assert main(["extend", "--model", str(ws / "llama"), "--to", str(json.loads(
+        (ws / "llama" / "config.json").read_text())["max_position_embeddings"]), "--output", str(tmp_path / "x")]) == 1
+    assert "nothing to extend" in capsys.readouterr().err

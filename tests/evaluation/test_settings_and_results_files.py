@@ -106,6 +106,7 @@ def test_passkey_rows_that_cannot_be_drawn_truthfully_are_refused_naming_file_an
                                 "passkey": rows}))
     with pytest.raises(ps.InvalidConfigError, match=rf"'{path}': {message}"):
         load_runs([str(path)], mode="windows", passkey=True)
+    assert load_runs([str(path)], mode="windows")  # a perplexity picture alone draws none of those rows
 
 
 def test_a_perplexity_row_of_infinite_length_is_refused_naming_it(tmp_path) -> None:

@@ -6,6 +6,7 @@ scored tokens."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import finetune_runs
 import pytest
@@ -15,6 +16,7 @@ from conftest import MODEL_CLASSES, tiny_config
 from finetune_runs import run
 from torch.utils.data import BatchSampler, DataLoader
 
+from hf_posswap.errors import InvalidConfigError
 from hf_posswap.evaluation import BYTE_VOCAB_SIZE, byte_tokenizer
 from hf_posswap.training.loop import EpochShuffle
 from hf_posswap.training.losses import CausalBatches, MaskedLMBatches, held_out_loss, pose_position_ids
@@ -149,3 +151,41 @@ def test_held_out_loss_is_the_mean_over_scored_tokens(objective: str) -> None:
         expected = model(**whole).loss.item()
     assert held_out_loss(model.train(), loader, objective, _OneProcess()) == pytest.approx(expected, rel=1e-5)
     assert model.training  # the caller's mode is restored
+
+
+def test_a_row_without_a_drawn_mask_gets_one_of_its_own() -> None:
+    """Short rows often draw no mask: each then gets one from its own generator, so rows batched together are masked
+    as rows read alone (a batch-level fallback masked only the batch's first row)."""
+    tokenizer = byte_tokenizer()
+    masks = MaskedLMBatches(tokenizer, 0.15, seed=0)
+    rows = _rows(400, length=8)
+    together = [masks(rows[index:index + 2]) for index in range(0, len(rows), 2)]
+    apart = [masks([row]) for row in rows]
+    for index, batch in enumerate(together):
+        for offset in (0, 1):
+            assert torch.equal(batch["labels"][offset], apart[2 * index + offset]["labels"][0])
+    assert all(bool((alone["labels"] != -100).any()) for alone in apart)
+
+
+def test_a_tokenizer_without_a_mask_token_is_refused_for_masked_lm() -> None:
+    tokenizer = byte_tokenizer()
+    tokenizer.mask_token = None
+    with pytest.raises(InvalidConfigError, match="has no mask token"):
+        MaskedLMBatches(tokenizer, 0.15, seed=0)
+
+
+def test_an_output_folder_that_cannot_be_made_is_raised_in_every_process(tmp_path, monkeypatch) -> None:
+    """The main process makes and locks the folder; a failure there (here: no permission) reaches the others through
+    the broadcast, instead of leaving them waiting at the barrier."""
+    from hf_posswap.training import loop
+    from hf_posswap.training.config import FinetuneConfig
+
+    broadcast = []
+    monkeypatch.setattr(loop, "from_main_process", lambda accelerator, value: broadcast.append(value) or value)
+    monkeypatch.setattr(loop.OutputLock, "create_folder",
+                        lambda self: (_ for _ in ()).throw(PermissionError(13, "Permission denied", str(tmp_path))))
+    main = SimpleNamespace(is_main_process=True, num_processes=2)
+    config = FinetuneConfig(model="m", data=["d"], output=str(tmp_path / "out"))
+    with pytest.raises(PermissionError):
+        loop._own_output(tmp_path / "out", main, config)
+    assert isinstance(broadcast[0], PermissionError)
