@@ -205,12 +205,16 @@ def _train_two_processes(workspace: Path, folder: Path) -> Path:
             json.dump({{"rank": rank, "processes": PartialState().num_processes, "loss": result["train_loss"],
                        "checksum": result["parameter_checksum"]}}, handle)
         """))
-    # accelerate's --cpu launcher goes multi-process only through mpirun; torchrun (--multi_gpu) works on CPU
-    # because finetune() asks accelerate for gloo when there is no CUDA.
+    _launch_two_processes(script)
+    return folder
+
+
+def _launch_two_processes(script: Path) -> None:
+    """``accelerate launch`` of ``script`` in 2 processes. accelerate's --cpu launcher goes multi-process only through
+    mpirun; torchrun (--multi_gpu) works on CPU because finetune() asks accelerate for gloo when there is no CUDA."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
     run_launcher(command, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    return folder
 
 
 @pytest.mark.slow
@@ -250,9 +254,7 @@ def _two_processes(workspace: Path, folder: Path, corpus: Path, runs: dict) -> P
                 with open({str(folder)!r} + f"/{{name}}.json", "w") as handle:
                     json.dump({{"loss": result["train_loss"]}}, handle)
         """))
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
-    run_launcher(command, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    _launch_two_processes(script)
     return folder
 
 
@@ -300,9 +302,7 @@ def _refusals_in_two_processes(workspace: Path, folder: Path, busy: Path) -> Pat
         with open({str(folder)!r} + f"/rank{{rank}}.json", "w") as handle:
             json.dump(report, handle)
         """))
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
-    run_launcher(command, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    _launch_two_processes(script)
     return folder
 
 
