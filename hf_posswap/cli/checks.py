@@ -10,14 +10,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ..core.extend import LIFT, TABLE_METHODS, default_method, has_rope
 from ..errors import InvalidConfigError, PosSwapError, one_line
 from ..persistence.loading import ModelSource, inspect_model_path
 from ..schemes.base import SchemeConfig
-
-#: methods that grow a learned table, and the one for schemes without a length limit (``core.extend``)
-TABLE_METHODS = ("interpolate", "copy")
-LIFT = "lift"
-
 
 # --- what the checkpoint carries ----------------------------------------------------------------------------------
 
@@ -43,14 +39,6 @@ def carried_scheme(source: ModelSource) -> SchemeConfig | None:
     if family.rotary_module_path is not None:
         return RopeConfig()
     return LearnedConfig() if family.absolute_table_path is not None else None
-
-
-def has_rope(scheme: SchemeConfig | None) -> bool:
-    """RoPE, or a layer mix with RoPE layers."""
-    from ..schemes.mix import LayerMix
-    from ..schemes.rope import RopeConfig
-
-    return isinstance(scheme, RopeConfig) or (isinstance(scheme, LayerMix) and bool(scheme.rope_parts()))
 
 
 def _describe(scheme: SchemeConfig | None) -> str:
@@ -104,7 +92,7 @@ def check_extension(model: str, to: int, method: str | None, options: dict[str, 
     if current is not None:
         _check_longer(model, to, current, _trained_length(source, current), train)
     scheme = carried_scheme(source)
-    method = method or ("yarn" if has_rope(scheme) else _default_method(scheme))
+    method = method or default_method(scheme)
     _check_method_fits(model, method, scheme)
     _check_method_options(method, options, _trained_length(source, current) if current else None, to)
 
@@ -119,12 +107,6 @@ def _check_longer(model: str, to: int, current: int, trained: int, train: bool) 
         instead = " (to fine-tune at this length, use hf-posswap finetune)" if train else ""
         raise InvalidConfigError(f"--to {to}: --model {model!r} already has {current} positions; nothing to extend. "
                                  f"Pass a longer --to{instead}.")
-
-
-def _default_method(scheme: SchemeConfig | None) -> str:
-    from ..schemes.learned import LearnedConfig
-
-    return "interpolate" if isinstance(scheme, LearnedConfig) else LIFT
 
 
 def _check_method_fits(model: str, method: str, scheme: SchemeConfig | None) -> None:

@@ -117,7 +117,7 @@ def _extension_plan(model: nn.Module, max_positions: int, method: str | None, op
             f"max_positions={max_positions} is shorter than the model's current length {current}; extend_context "
             "only lengthens. Pass a value >= the current length."
         )
-    method = method or _default_method(scheme)
+    method = method or default_method(scheme)
     if method in SCALING_REGISTRY:
         new_config, fill_table = _rope_plan(model, scheme, method, original, max_positions, options)
     elif method in TABLE_METHODS:
@@ -230,8 +230,15 @@ def _lengths(model: nn.Module, state: SwapState | None) -> tuple[int, int]:
     return rope.get("original_max_position_embeddings", length), length
 
 
-def _default_method(scheme: SchemeConfig | None) -> str:
-    if isinstance(scheme, RopeConfig) or (isinstance(scheme, LayerMix) and scheme.rope_parts()):
+def has_rope(scheme: SchemeConfig | None) -> bool:
+    """RoPE, or a layer mix with RoPE layers: what a RoPE scaling applies to."""
+    return isinstance(scheme, RopeConfig) or (isinstance(scheme, LayerMix) and bool(scheme.rope_parts()))
+
+
+def default_method(scheme: SchemeConfig | None) -> str:
+    """The extension method for ``scheme`` when none is named: YaRN for RoPE, interpolation for a learned table,
+    ``lift`` for schemes without a length limit."""
+    if has_rope(scheme):
         return "yarn"
     if isinstance(scheme, LearnedConfig):
         return "interpolate"
@@ -336,9 +343,8 @@ def _learned_table(model: nn.Module, adapter: FamilyAdapter) -> nn.Module:
 
 def _lift_plan(scheme: SchemeConfig | None, options: dict) -> tuple[None, None]:
     """Nothing to rebuild: the scheme's modules (and trained T5 tables or ALiBi slopes) stay; only lengths change."""
-    has_rope = isinstance(scheme, RopeConfig) or (isinstance(scheme, LayerMix) and bool(scheme.rope_parts()))
-    if has_rope or isinstance(scheme, LearnedConfig) or scheme is None:
-        kind = "RoPE" if has_rope else "a learned table"
+    if has_rope(scheme) or isinstance(scheme, LearnedConfig) or scheme is None:
+        kind = "RoPE" if has_rope(scheme) else "a learned table"
         raise InvalidConfigError(
             f"'lift' only records a longer length for schemes without a limit (alibi, t5, none, sinusoidal); this "
             f"model has {kind}. Use {'a RoPE scaling such as yarn' if kind == 'RoPE' else 'interpolate or copy'}."
