@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,7 @@ from .ring_function import RingAttention, RingPlan, fused_applies
 from .ring_math import KeyBlock, QueryBlock
 from .ring_positions import key_block_positions, local_blocks, row_end
 from .self_extend import CHUNK_ELEMENTS, chunk_size
+from .state import swap_state
 
 #: scheme kinds the ring applies (others are refused by name)
 RING_KINDS = ("rotary", "bias", "head_mix", "temperature", "none", "absolute")
@@ -96,8 +98,10 @@ class RingGroup:
     """Set on the position wrapper by :func:`context_parallel`: turns each forward's local inputs into a
     :class:`RingShard` (one all-gather of the shard lengths, and of the 2-D padding mask when there is one)."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, signature: str = "") -> None:
         self.group = group if group is not None else dist.group.WORLD
+        #: this rank's swap (:func:`swap_signature`), compared with every other rank's on each forward
+        self.signature = signature
 
     def prepare(self, kwargs: dict[str, Any], cache: Any) -> RingShard:
         if cache is not None or kwargs.get("use_cache"):
@@ -110,8 +114,10 @@ class RingGroup:
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         mask = _local_mask(kwargs.get("attention_mask"))
         position_ids = _local_position_ids(kwargs.get("position_ids"), batch, length)
-        gathered = _all_gather_object((length, mask, position_ids, batch), world, self.group)  # one a forward
+        gathered = _all_gather_object((length, mask, position_ids, batch, self.signature), world,
+                                      self.group)  # one a forward
         lengths = [item[0] for item in gathered]
+        _refuse_other_swaps([item[4] for item in gathered])
         _refuse_uneven_shards(lengths, [item[3] for item in gathered])
         starts = tuple(sum(lengths[:r]) for r in range(world))
         valid = padded = None
@@ -141,6 +147,46 @@ def _refuse_uneven_shards(lengths: list[int], batches: list[int]) -> None:
             f"A rank of the context-parallel group holds no token (shard lengths {lengths}): every rank needs at "
             f"least one, so split a sequence of {sum(lengths)} tokens over at most that many ranks."
         )
+
+
+def swap_signature(model: nn.Module) -> str:
+    """What the swaps inside ``model`` are, as one JSON string that ranks can compare: each swapped module's family,
+    scheme config and context extension (their trained parameters are the data-parallel checks' business)."""
+    swaps = [
+        {"module": name, "family": state.family, "scheme": state.config.to_dict(), "extension": state.extension}
+        for name, module in model.named_modules()
+        if (state := swap_state(module)) is not None
+    ]
+    return json.dumps(swaps, sort_keys=True, default=str)
+
+
+def _refuse_other_swaps(signatures: list[str]) -> None:
+    """Every rank attends with the same scheme: a rank swapped otherwise would compute its shard's attention with
+    other positions than the rest of the ring and give no error (raised alike on every rank)."""
+    if len(set(signatures)) <= 1:
+        return
+    described = "; ".join(f"rank {rank}: {_described_swap(signature)}" for rank, signature in enumerate(signatures))
+    raise InvalidConfigError(
+        f"The ranks of the context-parallel group hold models swapped differently ({described}): every rank attends "
+        "with the same position scheme, so swap (or load) the same model on each rank."
+    )
+
+
+def _described_swap(signature: str) -> str:
+    """``alibi (trainable_slopes=False), extended by 'lift' to 4096`` for each swap of a signature."""
+    swaps = json.loads(signature) if signature else []
+    if not swaps:
+        return "no swap"
+    described = []
+    for swap in swaps:
+        options = {key: value for key, value in swap["scheme"].items() if key != "scheme"}
+        text = swap["scheme"]["scheme"] + (f" ({', '.join(f'{k}={v!r}' for k, v in options.items())})" if options
+                                           else "")
+        extension = swap["extension"]
+        if extension:
+            text += f", extended by {extension.get('method')!r} to {extension.get('max_position_embeddings')}"
+        described.append(text)
+    return ", ".join(described)
 
 
 def _local_mask(mask: Any) -> torch.Tensor | None:
@@ -196,7 +242,7 @@ def context_parallel(model: nn.Module, group: Any = None) -> Iterator[nn.Module]
             "torch.distributed.tensor.experimental.context_parallel shards directly."
         )
     _refuse_attention_left_to_transformers(position_inputs)
-    ring = RingGroup(group)
+    ring = RingGroup(group, swap_signature(model))
     for inputs in position_inputs:
         inputs.ring = ring
     try:

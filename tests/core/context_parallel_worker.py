@@ -171,6 +171,23 @@ def _bounds(world: int) -> list[int]:
     return [sum(sizes[:r]) for r in range(world + 1)]
 
 
+def run_other_swaps(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 swaps ALiBi, the others T5: one forward under ``context_parallel``, and what each rank raised."""
+    model = swapped("llama", "alibi" if rank == 0 else "t5").eval()
+    ids, _ = inputs("llama", padded=False)
+    bounds = _bounds(world)
+    try:
+        with ps.context_parallel(model):
+            model(input_ids=ids[:, bounds[rank] : bounds[rank + 1]], use_cache=False)
+    except ps.InvalidConfigError as error:
+        return {"case": OTHER_SWAPS, "rank": rank, "refused": str(error)}
+    return {"case": OTHER_SWAPS, "rank": rank, "refused": None}
+
+
+#: the case whose ranks hold models swapped to different schemes
+OTHER_SWAPS = "other-swaps"
+
+
 def main() -> None:
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     cases = json.loads(sys.argv[3])
@@ -178,6 +195,9 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         for name, padded, *gapped in cases:
+            if name == OTHER_SWAPS:
+                print(json.dumps(run_other_swaps(rank, world)), flush=True)
+                continue
             print(json.dumps(run_case(name, padded, rank, world, gapped == ["gapped"])), flush=True)
         dist.barrier()  # no process tears its connections down while another still works
     finally:

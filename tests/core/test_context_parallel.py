@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_model, swapped
+from conftest import MAX_POSITIONS, make_model, swapped
 from process_launch import free_port, run_again_if_killed, wait_for_ranks
 
 import hf_posswap as ps
@@ -293,9 +293,36 @@ def test_shards_of_other_rows_or_of_no_token_are_refused_on_every_rank(
     monkeypatch.setattr(context_parallel.dist, "get_world_size", lambda group: 2)
     monkeypatch.setattr(context_parallel.dist, "get_rank", lambda group: 0)
     monkeypatch.setattr(context_parallel, "_all_gather_object",
-                        lambda item, world, group: [item, (other_length, None, None, other_rows)])
+                        lambda item, world, group: [item, (other_length, None, None, other_rows, item[4])])
     with pytest.raises(ps.InvalidConfigError, match=refusal):
         RingGroup(group=object()).prepare({"input_ids": torch.zeros(2, 8, dtype=torch.long)}, None)
+
+
+@pytest.mark.parametrize(("here", "there", "named"),
+                         [(("llama", "alibi"), ("llama", "t5"),
+                           r"rank 0: alibi \(trainable_slopes=False\); rank 1: t5 \(max_distance=32, "),
+                          (("bert", "alibi"), ("bert", "alibi", 2 * MAX_POSITIONS),
+                           r"rank 0: alibi \(trainable_slopes=False\); rank 1: .*extended by 'lift' to 128")],
+                         ids=["other-scheme", "other-extension"])
+def test_ranks_holding_models_swapped_differently_are_refused_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch, here: tuple, there: tuple, named: str
+) -> None:
+    """A rank swapped to another scheme (or extended otherwise) would attend its shard with other positions than the
+    rest of the ring and no error; every rank reads the same gathered signatures, so every rank refuses."""
+    models = [swapped(*spec[:2]) for spec in (here, there)]
+    for model, spec in zip(models, (here, there), strict=True):
+        if len(spec) == 3:
+            ps.extend_context(model, spec[2], "lift")
+    other = context_parallel.swap_signature(models[1])
+    monkeypatch.setattr(context_parallel.dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(context_parallel.dist, "get_rank", lambda group: 0)
+    monkeypatch.setattr(context_parallel, "_all_gather_object", lambda item, world, group: [item, (*item[:4], other)])
+    with ps.context_parallel(models[0], group=object()):
+        with pytest.raises(ps.InvalidConfigError, match=named):
+            models[0](input_ids=torch.zeros(1, 8, dtype=torch.long), use_cache=False)
+    monkeypatch.setattr(context_parallel, "_all_gather_object", lambda item, world, group: [item, item])
+    mine = context_parallel.swap_signature(models[0])  # the same swap on both ranks goes on
+    RingGroup(object(), mine).prepare({"input_ids": torch.zeros(1, 8, dtype=torch.long)}, None)
 
 
 def test_a_model_without_a_position_hook_is_refused() -> None:
@@ -372,6 +399,15 @@ def run_ranks(world: int, cases: list) -> list[dict]:
                if line.startswith("{")]
     assert len(results) == world * len(cases)
     return results
+
+
+@pytest.mark.slow
+def test_ranks_swapped_to_different_schemes_refuse_together(tmp_path: Path) -> None:
+    """Rank 0 holds ALiBi and rank 1 T5: both raise the same error instead of running the ring."""
+    results = run_again_if_killed(lambda _: run_ranks(2, [["other-swaps", False]]), tmp_path)
+    refusals = [result["refused"] for result in sorted(results, key=lambda result: result["rank"])]
+    assert all(refusal is not None and "swapped differently" in refusal for refusal in refusals), refusals
+    assert refusals[0] == refusals[1]
 
 
 @pytest.mark.slow
