@@ -155,11 +155,11 @@ def _check_method_options(method: str, options: dict[str, Any], original: int | 
 
 def check_text_covers(tokenizer, text: str | None, corpus: str, lengths: list[int]) -> None:
     """Every perplexity length fits in the evaluation text as the tokenizer splits it (needs no model)."""
-    from ..evaluation.corpora import corpus_text
+    from ..evaluation.corpora import corpus_text, text_token_ids
 
     if not lengths:
         return
-    tokens = len(tokenizer(text if text is not None else corpus_text(corpus))["input_ids"])
+    tokens = len(text_token_ids(tokenizer, text if text is not None else corpus_text(corpus)))
     too_long = [length for length in lengths if length > tokens]
     if too_long:
         where = "the --text files" if text is not None else f"--corpus {corpus}"

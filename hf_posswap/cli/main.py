@@ -134,6 +134,7 @@ def _eval(argv: list[str]) -> int:
     args = PARSERS["eval"]().parse_args(argv)
     from ..evaluation import check_passkey_lengths, evaluate
     from ..evaluation.checks import check_results_output, check_settings
+    from ..evaluation.corpora import tokenize_once
     from ..persistence.loading import inspect_model_path, load_model, load_tokenizer
     from ..persistence.user_files import read_text_files
     from .checks import check_learned_table, check_text_covers, write_results
@@ -154,14 +155,15 @@ def _eval(argv: list[str]) -> int:
         )
     check_learned_table(source, args.lengths)
     tokenizer = load_tokenizer(source, required=True)
-    # needs only the tokenizer: before the model loads
-    check_text_covers(tokenizer, text, args.corpus, args.lengths)
-    check_passkey_lengths(tokenizer, args.passkey_lengths, args.depths, args.trials)
-    model = load_model(source, "causal", dtype=args.dtype)
-    results = evaluate(model, tokenizer, args.lengths, text=text, corpus=args.corpus, modes=args.mode,
-                       stride=args.stride, tail_from=args.tail_from, max_windows=args.max_windows or None,
-                       passkey_lengths=args.passkey_lengths, depths=args.depths, trials=args.trials,
-                       progress=not args.no_progress)
+    with tokenize_once():  # the length check and the evaluation read the same tokens
+        # needs only the tokenizer: before the model loads
+        check_text_covers(tokenizer, text, args.corpus, args.lengths)
+        check_passkey_lengths(tokenizer, args.passkey_lengths, args.depths, args.trials)
+        model = load_model(source, "causal", dtype=args.dtype)
+        results = evaluate(model, tokenizer, args.lengths, text=text, corpus=args.corpus, modes=args.mode,
+                           stride=args.stride, tail_from=args.tail_from, max_windows=args.max_windows or None,
+                           passkey_lengths=args.passkey_lengths, depths=args.depths, trials=args.trials,
+                           progress=not args.no_progress)
     for row in results["perplexity"]:
         print(f"perplexity  length {row['length']:>6}  {row['mode']:<8} {row['perplexity']:10.3f}  "
               f"({row['tokens']} tokens)")

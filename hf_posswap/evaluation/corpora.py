@@ -3,9 +3,12 @@ and standard-library source (code)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 CORPORA = ("pydoc", "stdlib", "reference")
 REFERENCE_FILES = ("typing.py", "argparse.py", "tarfile.py")
@@ -31,3 +34,33 @@ def corpus_text(name: str) -> str:
 def text_digest(text: str) -> str:
     """The SHA-256 of ``text`` (UTF-8), all 64 hex digits: what the results' ``sha256`` field holds."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+#: inside :func:`tokenize_once`: (tokenizer, text, its token ids) of the last text tokenized, else None
+_remembered: list[tuple[Any, str, list[int]]] | None = None
+
+
+@contextlib.contextmanager
+def tokenize_once() -> Iterator[None]:
+    """Within the block, :func:`text_token_ids` tokenizes a text once per tokenizer: the CLI's ``eval`` checks the
+    text's length before loading the model and ``evaluate`` then scores the same tokens (a corpus of a few MB takes
+    seconds to tokenize). Scoped, so a tokenizer changed between two calls of a program is never answered from an
+    old result."""
+    global _remembered
+    outer, _remembered = _remembered, []
+    try:
+        yield
+    finally:
+        _remembered = outer
+
+
+def text_token_ids(tokenizer: Any, text: str) -> list[int]:
+    """``tokenizer(text)["input_ids"]`` (remembered inside :func:`tokenize_once`)."""
+    if _remembered is not None:
+        for known, known_text, ids in _remembered:
+            if known is tokenizer and known_text == text:
+                return ids
+    ids = list(tokenizer(text)["input_ids"])
+    if _remembered is not None:
+        _remembered[:] = [(tokenizer, text, ids)]
+    return ids

@@ -23,7 +23,7 @@ from .checks import (
     check_vocabulary,
     learned_table_size,
 )
-from .corpora import corpus_text, text_digest
+from .corpora import corpus_text, text_digest, text_token_ids
 from .inputs import eval_mode
 from .passkey import check_passkey_fits, passkey_accuracy, passkey_keys
 from .perplexity import perplexity, plan_windows
@@ -91,7 +91,7 @@ def _measure(model: nn.Module, tokenizer, lengths: Sequence[int], text: str | No
     text = text if text is not None else corpus_text(corpus)
     if not text.strip():
         raise InvalidConfigError("The evaluation text is empty; pass a text file with content, or a built-in corpus.")
-    token_ids = torch.tensor(tokenizer(text)["input_ids"])
+    token_ids = torch.tensor(text_token_ids(tokenizer, text))
     _check_before_running(model, tokenizer, token_ids, lengths, modes, stride, tail_from, passkey_lengths, depths,
                           trials)
     weights = next(model.parameters(), None)

@@ -92,3 +92,47 @@ def test_eval_text_without_files_is_a_usage_error(checkpoints, capsys) -> None:
     """``--text`` with nothing after it (an empty shell variable) would otherwise evaluate the built-in corpus."""
     assert main(["eval", "--model", str(checkpoints / "llama"), "--lengths", "32", "--text"]) == 2
     assert "argument --text: expected at least one argument" in capsys.readouterr().err
+
+
+def test_eval_tokenizes_its_text_once(checkpoints, tmp_path, capsys, monkeypatch) -> None:
+    """The length check before loading and the evaluation after it read the same tokens: a corpus of a few MB is
+    tokenized once (``--corpus stdlib`` with SmolLM2's tokenizer took 2.7 s a time)."""
+    import hf_posswap.persistence.loading as loading
+    from hf_posswap.evaluation.corpora import corpus_text
+
+    text = corpus_text("pydoc")
+    calls = []
+    load_tokenizer = loading.load_tokenizer
+
+    def counted(*args, **kwargs):
+        tokenizer = load_tokenizer(*args, **kwargs)
+        original = type(tokenizer).__call__
+
+        def call(self, *call_args, **call_kwargs):
+            calls.append(call_args[0] == text if call_args and isinstance(call_args[0], str) else False)
+            return original(self, *call_args, **call_kwargs)
+
+        monkeypatch.setattr(type(tokenizer), "__call__", call)
+        return tokenizer
+
+    monkeypatch.setattr(loading, "load_tokenizer", counted)
+    assert main(["eval", "--model", str(checkpoints / "llama"), "--lengths", "32", "--corpus", "pydoc",
+                 "--max-windows", "1", "--no-progress", "--output", str(tmp_path / "out.json")]) == 0
+    assert calls.count(True) == 1, calls
+
+
+def test_a_tokenizer_changed_between_two_evaluations_is_asked_again(checkpoints) -> None:
+    """The tokens are remembered only within one CLI command: a library caller that changes the tokenizer between
+    two ``evaluate`` calls gets the new tokens."""
+    from transformers import AutoTokenizer
+
+    from hf_posswap.evaluation.corpora import corpus_text, text_token_ids, tokenize_once
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints / "llama")
+    text = corpus_text("pydoc")[:2000]
+    before = text_token_ids(tokenizer, text)
+    tokenizer.add_tokens(["the"])  # every "the" is now one new token: other ids, another count
+    assert len(text_token_ids(tokenizer, text)) < len(before)
+    with tokenize_once():
+        assert text_token_ids(tokenizer, text) is text_token_ids(tokenizer, text)
+        assert text_token_ids(tokenizer, text) is not text_token_ids(tokenizer, text[:-1])
