@@ -146,6 +146,8 @@ def scheme_config(scheme: str) -> ps.SchemeConfig:
         return ps.T5BiasConfig(num_buckets=16, max_distance=32)
     if scheme == "alibi":
         return ps.AlibiConfig()
+    if scheme == "fire":  # a threshold L inside the test rows, so psi(max(i, L)) reads the query's position
+        return ps.FireConfig(init_threshold=8.0)
     from hf_posswap.schemes import SCHEME_REGISTRY
 
     return SCHEME_REGISTRY.get(scheme)()

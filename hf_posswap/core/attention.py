@@ -58,7 +58,8 @@ def eager_attention(
 
     ``attention_mask`` may carry a position bias merged in (see :func:`merge_bias_and_mask`), so the returned
     weights include the scheme's effect, as ``output_attentions=True`` users expect. The masked logits are clamped
-    to the dtype's finite range so fp16 rows that are fully masked do not turn into NaN.
+    to the dtype's finite range and the softmax runs in that dtype or float32, whichever is wider, so rows that are
+    fully masked (padding) do not turn into NaN, in fp16 or in float64.
     """
     groups = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # [B, Hkv, kv, D] -> [B, H, kv, D]
@@ -71,7 +72,10 @@ def eager_attention(
     elif getattr(module, "is_causal", False) and q_len > 1:  # bottom-right aligned: query i sees j <= i + kv - q
         allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril(kv_len - q_len)
         scores = merge_bias_and_mask(scores, None, allowed, scores.dtype)
-    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    # at least float32 (half-precision logits), and float64 for a float64 model: its masked logits hold float64's
+    # lowest value, which a float32 softmax reads as -inf (a fully masked padding row would then be NaN)
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    weights = weights.to(query.dtype)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # [B, H, q, D] -> [B, q, H, D]
     return output, weights
@@ -135,7 +139,7 @@ def dense_bias_mask(
     ``no_grad``), shared by every layer that shares the bias."""
     scheme = context.positions
     note_path(DENSE)
-    query_pos, key_pos = context.query_key_positions(query.shape[2], key.shape[2], query.device)
+    query_pos, key_pos = context.bias_positions(query.shape[2], key.shape[2], query.device)
     layer_idx = getattr(module, "layer_idx", 0) or 0
     causal = bool(getattr(module, "is_causal", True))
     memo_key = (
@@ -219,7 +223,7 @@ def bias_call(
     dropout: float,
 ) -> FusedCall:
     """One self-attention call of a bias scheme as its fused and flex forms see it (positions from the context)."""
-    query_pos, key_pos = context.query_key_positions(query.shape[2], key.shape[2], query.device)
+    query_pos, key_pos = context.bias_positions(query.shape[2], key.shape[2], query.device)
     starts = (context.query_offset, context.key_start(query.shape[2], key.shape[2])) if query_pos.dim() == 1 else None
     return FusedCall(
         query=query,

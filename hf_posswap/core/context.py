@@ -41,7 +41,7 @@ from ..transformers_internals import (
     find_cache_in_output,
     self_attention_layers,
 )
-from .input_positions import check_position_ids, explicit_positions, padded_positions
+from .input_positions import check_position_ids, explicit_positions, padded_positions, row_shifts
 from .rotary_cache import MARKER, refuse_foreign_rotation, rotates_once
 
 CONTEXT_KWARG = "posswap_context"
@@ -100,6 +100,9 @@ class PositionContext:
     #: per-row positions [B, kv] of a padded batch, from its 2D attention mask (set for Self-Extend only: its
     #: grouping floor(pos / G) depends on absolute positions, so a left-padded row must not count its padding)
     padded_positions: torch.Tensor | None = None
+    #: per-row offsets [B] of positions from token indices (minus a left-padded row's padding), set for a bias that
+    #: reads the query's absolute position (FIRE's normaliser) only: see :meth:`bias_positions`
+    row_shift: torch.Tensor | None = None
     #: the KV cache the forward was given (None: no cache, or one the model makes itself); rotary schemes store
     #: keys rotated in its layers (see :mod:`hf_posswap.core.rotary_cache`)
     cache: Any = None
@@ -158,11 +161,42 @@ class PositionContext:
             self.memo[memo_key] = found
         return found
 
+    def bias_positions(self, q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions a bias scheme reads: :meth:`query_key_positions`, shifted per row by :attr:`row_shift` for
+        a scheme that reads the query's absolute position (then [B, q], [B, kv]): index distances as before, and a
+        left-padded row's queries at the positions of the row alone."""
+        query_pos, key_pos = self.query_key_positions(q_len, kv_len, device)
+        if self.row_shift is None or query_pos.dim() != 1 or not reads_query_positions(self.positions):
+            return query_pos, key_pos
+        memo_key = ("row-shifted-positions", q_len, kv_len, device)
+        found = self.memo.get(memo_key)
+        if found is None:
+            shift = self.row_shift.to(device)[:, None]  # [B, 1]
+            # padding slots (before a row's first real token) at 0: masked as keys, and ignored as queries
+            found = ((query_pos[None] + shift).clamp(min=0), (key_pos[None] + shift).clamp(min=0))  # [B, q], [B, kv]
+            self.memo[memo_key] = found
+        return found
+
     def key_start(self, q_len: int, kv_len: int) -> int:
         """Position of the first of kv_len keys. Static caches hand attention the whole buffer (kv_len >= offset +
         q_len): buffer index = position. Dynamic caches (possibly sliding) hold the latest kv_len tokens, ending at
         the current one."""
         return max(self.query_offset + q_len - kv_len, 0)
+
+
+def reads_query_positions(positions: nn.Module | None) -> bool:
+    """Whether a position module (a scheme, or a mix holding one) has a bias that reads the query's absolute
+    position (``BiasPositions.reads_query_positions``: FIRE)."""
+    if positions is None:
+        return False
+    found = positions.__dict__.get(_READS_QUERY_POSITIONS)
+    if found is None:  # looked up once per module: the modules a swap installs do not change
+        found = any(getattr(module, "reads_query_positions", False) for module in positions.modules())
+        positions.__dict__[_READS_QUERY_POSITIONS] = found
+    return found
+
+
+_READS_QUERY_POSITIONS = "_posswap_reads_query_positions"
 
 
 def _parameter_names(forward: Callable[..., Any]) -> tuple[str, ...]:
@@ -253,6 +287,7 @@ class PositionInputs:
             # under context parallelism the shard carries the whole sequence's position ids (RingShard.explicit)
             row_positions=None if shard is not None else explicit_positions(kwargs, query_offset, cache),
             padded_positions=padded_positions(kwargs.get("attention_mask")) if needs_padded else None,
+            row_shift=row_shifts(kwargs, query_offset) if shard is None and reads_query_positions(positions) else None,
             cache=cache,
             layers=self.layers,
             ring=shard,

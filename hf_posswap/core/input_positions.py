@@ -47,6 +47,27 @@ def _check_index_distances(position_ids: torch.Tensor, mask: torch.Tensor) -> No
         )
 
 
+def row_shifts(kwargs: dict[str, Any], query_offset: int) -> torch.Tensor | None:
+    """Per-row offsets [B] of the tokens' positions from their indices, for a bias that reads the query's absolute
+    position (FIRE): minus the row's leading padding, from a 2-D attention mask over the tokens so far; else, from
+    position ids [B, q] given with another mask (``generate`` passes them beside the 4-D mask it builds for a static
+    cache), the last query's id minus its index (the last token of a left-padded row is real). None when no row is
+    shifted (or nothing tells)."""
+    reference = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    if reference is None:
+        return None
+    q_len = reference.shape[1]
+    mask = kwargs.get("attention_mask")
+    position_ids = kwargs.get("position_ids")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] == query_offset + q_len:
+        shift = -(mask.long().cumsum(-1) == 0).sum(-1)  # [B]: minus the pads before the row's first real token
+    elif isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.shape[-1] == q_len:
+        shift = position_ids[:, -1].long() - (query_offset + q_len - 1)  # [B or 1]
+    else:
+        return None
+    return shift if bool(shift.any()) else None
+
+
 def padded_positions(mask: Any) -> torch.Tensor | None:
     """Positions [B, T] that skip padding (0 on pads), from a 2D attention mask with padding; else None."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool(mask.all()):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..schemes.rope import apply_rotary
-from .context import PositionContext
+from .context import PositionContext, reads_query_positions
 from .ring_math import KeyBlock, QueryBlock
 from .rotary_cache import angles, rotate, scales_keys
 from .self_extend import far_positions
@@ -37,8 +37,10 @@ def key_block_positions(context: PositionContext, shard: Any, rank: int, device:
 
 
 def _uses_padded(context: PositionContext, shard: Any) -> bool:
-    """Self-Extend and the query temperature count positions without padding (as the single-process paths do)."""
-    return shard.padded is not None and (context.two_pass is not None or context.kind == "temperature")
+    """Self-Extend, the query temperature and a bias that reads the query's absolute position (FIRE) count
+    positions without padding (as the single-process paths do)."""
+    return shard.padded is not None and (context.two_pass is not None or context.kind == "temperature"
+                                         or reads_query_positions(context.positions))
 
 
 def row_end(shard: Any, device: torch.device) -> torch.Tensor:

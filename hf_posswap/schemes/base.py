@@ -218,6 +218,10 @@ class BiasPositions(nn.Module):
     fused_min_queries: ClassVar[int | None] = None
     #: the name :mod:`hf_posswap.core.paths` records when :meth:`fused_attention` takes a call
     fused_path: ClassVar[str] = "fused"
+    #: whether the bias reads the query's absolute position, not only query-key distances (FIRE's normaliser
+    #: psi(max(i, L))): a padded batch then gives it per-row positions [B, q], [B, kv] that skip padding, so a
+    #: left-padded row gets the bias of the row alone
+    reads_query_positions: ClassVar[bool] = False
 
     def forward(
         self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool, memo: dict | None = None

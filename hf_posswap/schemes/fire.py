@@ -164,6 +164,8 @@ def fire_normalized(
 class FireBias(BiasPositions):
     """FIRE functions: one shared by all layers, or one per layer."""
 
+    reads_query_positions = True  # psi(max(i, L)) counts the query's tokens from the row's first real one
+
     def __init__(
         self, num_heads: int, num_layers: int, width: int, init_c: float, init_threshold: float, shared: bool
     ) -> None:

@@ -25,7 +25,7 @@ SCHEMES = {
     "kerple-log": lambda: ps.KerpleConfig(variant="log"),
     "kerple-power": lambda: ps.KerpleConfig(variant="power"),
     "sandwich": lambda: ps.SandwichConfig(),
-    "fire": lambda: ps.FireConfig(mlp_width=8),
+    "fire": lambda: ps.FireConfig(mlp_width=8, init_threshold=8.0),  # L inside the test rows: max(i, L) varies
     "head-mix": lambda: ps.HeadMix(bias=ps.KerpleConfig(), rotary="rope", bias_heads=[0, 1]),
     "layer-mix": lambda: ps.LayerMix(default="rope", overrides=[(ps.FireConfig(mlp_width=8), [1])]),
 }

@@ -43,8 +43,8 @@ PADDED = matrix(FAMILIES, ["t5", "kerple-power", "fire", "head-mix"], {"llama-t5
 
 @pytest.mark.parametrize(("family", "scheme"), PADDED)
 def test_left_padded_batch(family: str, scheme: str, flex_on_cpu: None) -> None:
-    """A bool padding mask from transformers: the mask function reads it. Padded query rows are not compared (flex
-    gives fully masked rows 0, the dense path a uniform average)."""
+    """A bool padding mask from transformers: the mask function reads it, and the padded row equals the row alone.
+    Padded query rows are not compared (flex gives fully masked rows 0, the dense path a uniform average)."""
     model = build(family, scheme)
     input_ids = tokens(2, LENGTH)
     mask = torch.ones_like(input_ids)
@@ -54,6 +54,8 @@ def test_left_padded_batch(family: str, scheme: str, flex_on_cpu: None) -> None:
     real = mask.bool()
     torch.testing.assert_close(logits[real], dense(model, input_ids=input_ids, attention_mask=mask)[real],
                                atol=ATOL, rtol=RTOL)
+    alone, _ = run(model, input_ids=input_ids[1:, 7:])  # the padded row's real tokens, unpadded (FIRE reads i)
+    torch.testing.assert_close(logits[1, 7:], alone[0], atol=ATOL, rtol=RTOL)
 
 
 def test_sliding_window_layers_read_transformers_mask(flex_on_cpu: None) -> None:

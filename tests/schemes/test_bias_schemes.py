@@ -134,6 +134,72 @@ def test_fire_starts_at_zero_and_tells_directions_apart_in_encoders() -> None:
     assert (both - both.transpose(-1, -2)).abs().max() > 1e-3  # key before vs after the query differ
 
 
+def short_threshold_fire(family: str, attn: str) -> torch.nn.Module:
+    """A swapped model whose FIRE threshold L = 4 lies inside the test rows, so psi(max(i, L)) changes with the
+    query's position i (with the default L = 512 every test row reads the same normaliser)."""
+    model = make_model(family, attn).eval()
+    ps.swap(model, FireConfig(init_threshold=4.0))
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(3)
+        for param in model.base_model.posswap_positions.functions[0].mlp.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator))
+    return model
+
+
+FIRE_CASES = [("llama", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa"), ("bert", "sdpa")]
+
+
+@pytest.mark.parametrize(("family", "attn"), FIRE_CASES, ids=[f"{f}-{a}" for f, a in FIRE_CASES])
+def test_fire_gives_a_padded_row_the_bias_of_the_row_alone(family: str, attn: str) -> None:
+    """FIRE's normaliser reads the query's absolute position (Li et al. 2024), so padding must not count in it:
+    a left-padded row (right-padded in BERT) equals the row alone (seen 7.6e-2 off when pads counted)."""
+    model = short_threshold_fire(family, attn)
+    row = tokens(1, 20)
+    padding = torch.zeros(1, 7, dtype=torch.long)
+    ids = torch.cat([row, padding], 1) if family == "bert" else torch.cat([padding, row], 1)
+    mask = (torch.arange(27) < 20 if family == "bert" else torch.arange(27) >= 7).long()[None]
+    with torch.no_grad():
+        alone = model(input_ids=row).logits[0]
+        padded = model(input_ids=ids, attention_mask=mask).logits[0, mask[0].bool()]
+    torch.testing.assert_close(padded, alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize(("family", "attn"), FIRE_CASES[:3], ids=[f"{f}-{a}" for f, a in FIRE_CASES[:3]])
+def test_fire_generates_a_padded_batch_as_each_row_alone(family: str, attn: str, cache: str) -> None:
+    """Cached decoding of a left-padded batch: every step's logits equal the row generated alone (the cache's
+    slots, a static buffer's future ones included, placed from the row's first real token)."""
+    model = short_threshold_fire(family, attn)
+    rows = [tokens(1, 12, seed=4)[0], tokens(1, 5, seed=5)[0]]
+    batch = torch.zeros(2, 12, dtype=torch.long)
+    mask = torch.zeros(2, 12, dtype=torch.long)
+    for i, row in enumerate(rows):
+        batch[i, 12 - len(row):], mask[i, 12 - len(row):] = row, 1
+    options = {"max_new_tokens": 8, "do_sample": False, "output_logits": True, "return_dict_in_generate": True,
+               "pad_token_id": 0, "cache_implementation": cache}
+    together = model.generate(input_ids=batch, attention_mask=mask, **options)
+    for i, row in enumerate(rows):
+        alone = model.generate(input_ids=row[None], **options)
+        assert together.sequences[i, 12:].tolist() == alone.sequences[0, len(row):].tolist()
+        for step, (mine, own) in enumerate(zip(together.logits, alone.logits, strict=True)):
+            torch.testing.assert_close(mine[i], own[0], atol=1e-4, rtol=1e-4, msg=f"row {i} step {step}")
+
+
+@pytest.mark.parametrize("scheme", NEW_SCHEMES + ["alibi", "t5"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_float64_model_with_padding_stays_finite_in_eager_attention(family: str, scheme: str) -> None:
+    """Masked logits hold float64's lowest value, which a float32 softmax read as -inf: a wholly masked padding
+    row became NaN and spread to the real tokens in the next layer (GPT-2 is finite before the swap)."""
+    model = swapped(family, scheme, attn="eager").to(torch.float64).eval()
+    ids = torch.cat([torch.zeros(1, 5, dtype=torch.long), tokens(1, 10)], 1)
+    mask = (torch.arange(15) >= 5).long()[None]
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask).logits[0, 5:]
+        alone = model(input_ids=ids[:, 5:]).logits[0]
+    assert torch.isfinite(padded).all()
+    torch.testing.assert_close(padded, alone, atol=1e-10, rtol=1e-10)  # float64 throughout, softmax included
+
+
 def test_fire_per_layer_functions() -> None:
     """shared_across_layers=False: each layer reads its own function; eager = sdpa."""
     models = {}
