@@ -100,8 +100,10 @@ class PositionContext:
     #: per-row positions [B, kv] of a padded batch, from its 2D attention mask (set for Self-Extend only: its
     #: grouping floor(pos / G) depends on absolute positions, so a left-padded row must not count its padding)
     padded_positions: torch.Tensor | None = None
-    #: per-row offsets [B] of positions from token indices (minus a left-padded row's padding), set for a bias that
-    #: reads the query's absolute position (FIRE's normaliser) only: see :meth:`bias_positions`
+    #: per-row offsets [B] of positions from token indices (minus a left-padded row's padding), set where absolute
+    #: positions matter: a bias that reads the query's position (FIRE's normaliser, :meth:`bias_positions`), and
+    #: Self-Extend and the query temperature where ``padded_positions`` does not cover the keys (a static cache,
+    #: whose 4-D mask ``generate`` builds itself)
     row_shift: torch.Tensor | None = None
     #: the KV cache the forward was given (None: no cache, or one the model makes itself); rotary schemes store
     #: keys rotated in its layers (see :mod:`hf_posswap.core.rotary_cache`)
@@ -145,7 +147,10 @@ class PositionContext:
             return self.row_positions
         if self.padded_positions is not None and self.padded_positions.shape[-1] >= q_len:
             return self.padded_positions[:, -q_len:]
-        return torch.arange(q_len, device=device) + self.query_offset
+        index = torch.arange(q_len, device=device) + self.query_offset
+        if self.row_shift is not None:
+            return (index[None] + self.row_shift.to(device)[:, None]).clamp(min=0)  # [B, q]
+        return index
 
     def query_key_positions(self, q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """query positions [q] and key positions [kv] (or both [B, q] when explicit row positions are set); made
@@ -277,6 +282,7 @@ class PositionInputs:
     ) -> PositionContext:
         """The position context every attention call of this forward reads."""
         needs_padded = self.two_pass is not None or (self.layers is not None and self.layers.needs_padded_positions)
+        reads_absolute = reads_query_positions(positions)
         return PositionContext(
             positions,
             self.kind,
@@ -287,7 +293,7 @@ class PositionInputs:
             # under context parallelism the shard carries the whole sequence's position ids (RingShard.explicit)
             row_positions=None if shard is not None else explicit_positions(kwargs, query_offset, cache),
             padded_positions=padded_positions(kwargs.get("attention_mask")) if needs_padded else None,
-            row_shift=row_shifts(kwargs, query_offset) if shard is None and reads_query_positions(positions) else None,
+            row_shift=row_shifts(kwargs, query_offset) if shard is None and (needs_padded or reads_absolute) else None,
             cache=cache,
             layers=self.layers,
             ring=shard,

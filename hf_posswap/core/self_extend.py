@@ -350,10 +350,15 @@ def _masked(call: _Call, scores: torch.Tensor, distance: torch.Tensor, rows: sli
 
 
 def _positions(context: PositionContext, q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Query and key positions; per row [B, q], [B, kv] in a padded batch whose mask covers exactly the keys (no
-    cache, or a dynamic cache: the queries are the last q_len keys), so a padded row groups as it does alone."""
+    """Query and key positions; per row [B, q], [B, kv] in a padded batch, so a padded row groups as it does alone:
+    from the padded mask where it covers exactly the keys (no cache, or a dynamic cache: the queries are the last
+    q_len keys), else shifted by the context's ``row_shift`` (a static cache)."""
     padded = context.padded_positions
     if padded is not None and padded.shape[-1] == kv_len >= q_len:
         padded = padded.to(device)
         return padded[:, kv_len - q_len :], padded
-    return context.query_key_positions(q_len, kv_len, device)
+    query_pos, key_pos = context.query_key_positions(q_len, kv_len, device)
+    if context.row_shift is not None and query_pos.dim() == 1:  # a static cache's slots, shifted per padded row
+        shift = context.row_shift.to(device)[:, None]  # [B, 1]
+        return (query_pos[None] + shift).clamp(min=0), (key_pos[None] + shift).clamp(min=0)
+    return query_pos, key_pos

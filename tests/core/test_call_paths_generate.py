@@ -115,3 +115,45 @@ def test_self_extend_with_explicit_position_ids(family: str) -> None:
     torch.testing.assert_close(explicit, implicit)
     torch.testing.assert_close(later_changed[:, :100], explicit[:, :100])  # causal
     assert not torch.allclose(explicit[:, MAX_POSITIONS:], unextended[:, MAX_POSITIONS:], atol=1e-4)  # grouped
+
+
+# ---- schemes that read absolute positions: a padded row decodes as the row alone, whatever the cache ----------
+
+def absolute_position_readers() -> dict:
+    """Models whose numbers depend on a token's own position, not only on distances: FIRE's normaliser
+    psi(max(i, L)), Llama 4's query temperature (floor_scale 4: it steps within the test rows) and Self-Extend's
+    groups floor(pos / G)."""
+    self_extend = make_model("llama")
+    with torch.no_grad():  # sharper queries and keys, so that grouping moves the logits clearly
+        for name, parameter in self_extend.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(4)
+    temperature = make_model("llama")
+    return {
+        "llama-fire": swapped("llama", "fire"),
+        "gpt2-fire": swapped("gpt2", "fire"),
+        "llama-temperature": ps.swap(temperature, ps.llama4_irope(temperature, no_rope_layer_interval=2,
+                                                                  floor_scale=4)),
+        "llama-self-extend": ps.extend_context(self_extend, 2 * MAX_POSITIONS, "self_extend", neighbor_window=8,
+                                               group_size=4),
+    }
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("case", ["llama-fire", "gpt2-fire", "llama-temperature", "llama-self-extend"])
+def test_a_padded_row_decodes_as_the_row_alone_when_positions_are_absolute(case: str, cache: str) -> None:
+    """generate hands a static cache a 4-D mask it builds itself, beside padding-aware position ids: the padding
+    is read from those, so each step's logits equal the row generated alone (seen 2.2e-2 off for the temperature
+    and 2.7e-2 for Self-Extend when the static cache's rows counted their padding)."""
+    model = absolute_position_readers()[case].eval()
+    rows = [tokens(1, 24, seed=4)[0], tokens(1, 13, seed=5)[0]]
+    batch, mask = torch.zeros(2, 24, dtype=torch.long), torch.zeros(2, 24, dtype=torch.long)
+    for i, row in enumerate(rows):
+        batch[i, 24 - len(row):], mask[i, 24 - len(row):] = row, 1
+    options = {"max_new_tokens": 6, "do_sample": False, "output_logits": True, "return_dict_in_generate": True,
+               "pad_token_id": 0, "cache_implementation": cache}
+    together = model.generate(input_ids=batch, attention_mask=mask, **options)
+    for i, row in enumerate(rows):
+        alone = model.generate(input_ids=row[None], **options)
+        steps = torch.stack(together.logits, 1)[i]  # [steps, V]
+        torch.testing.assert_close(steps, torch.stack(alone.logits, 1)[0], atol=1e-4, rtol=1e-4)
