@@ -14,9 +14,12 @@ from ..errors import InvalidConfigError
 def explicit_positions(kwargs: dict[str, Any], query_offset: int, cache: Any) -> torch.Tensor | None:
     """Position ids the caller passed for a whole unpadded sequence (no cache): attention then uses them instead
     of token indices, so position-skipping training (PoSE) reaches every scheme. With padding or a cache, index
-    distances are used (they equal position distances there)."""
+    distances are used (they equal position distances there; ids that skip positions are refused)."""
     position_ids = kwargs.get("position_ids")
-    if position_ids is None or query_offset != 0 or cache is not None:
+    if position_ids is None:
+        return None
+    if query_offset != 0 or cache is not None:
+        _refuse_skips_beside_a_cache(position_ids)
         return None
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
@@ -27,6 +30,24 @@ def explicit_positions(kwargs: dict[str, Any], query_offset: int, cache: Any) ->
     reference = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     batch = reference.shape[0] if reference is not None else position_ids.shape[0]
     return position_ids.expand(batch, -1)
+
+
+def _refuse_skips_beside_a_cache(position_ids: Any) -> None:
+    """With a KV cache, tokens are placed by their index in the cache (the cached keys keep no positions of their
+    own): ids that skip ahead within the forward would be ignored, so they are refused. Padding's ids (``generate``
+    gives pads 1 and the first real token 0) never step by more than 1."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.shape[-1] < 2:
+        return
+    ids = position_ids.reshape(-1, position_ids.shape[-1])  # [B or 1, q]
+    skips = (ids.diff(dim=-1) > 1).nonzero()  # [n, 2]: (row, column) where the next id skips ahead
+    if skips.numel():
+        row, column = skips[0].tolist()
+        raise InvalidConfigError(
+            f"position_ids skip from {int(ids[row, column])} to {int(ids[row, column + 1])} (row {row}) in a forward "
+            "with a KV cache: with a cache, hf_posswap places tokens by their index in it, so ids that skip "
+            "positions would be ignored. Run the forward without a cache (use_cache=False and no past_key_values) "
+            "to use them, or pass consecutive ids."
+        )
 
 
 def _check_index_distances(position_ids: torch.Tensor, mask: torch.Tensor) -> None:

@@ -76,6 +76,10 @@ class MixPositions(nn.Module):
         return f"layer_part={self.layer_part}"
 
 
+def _name_of(part: Any) -> str:
+    return part.name if isinstance(part, SchemeConfig) else str(part)
+
+
 def _part_config(value: Any, where: str) -> SchemeConfig:
     """A part given as a registered name, a config, or a config's ``to_dict()``."""
     if isinstance(value, dict) and value.get("scheme") == HeadMix.name:  # not registered: it lives in mixes only
@@ -160,6 +164,11 @@ class LayerMix(SchemeConfig):
         for pair in pairs:
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise InvalidConfigError(f"LayerMix overrides entry {pair!r} must be a (scheme, [layers]) pair.")
+            if isinstance(pair[0], int) and not isinstance(pair[0], bool) and isinstance(pair[1], (str, SchemeConfig)):
+                raise InvalidConfigError(
+                    f"LayerMix overrides entry {tuple(pair)!r} is (layer, scheme); overrides go the other way round: "
+                    f"{{scheme: [layers]}}, e.g. overrides={{{_name_of(pair[1])!r}: [{pair[0]}]}}."
+                )
             part = _part_config(pair[0], f"override {pair[0]!r}")
             layers = _layer_list(pair[1], f"override for '{part.name}'")
             for index in layers:

@@ -17,6 +17,8 @@ BAD = {
     "nested": (lambda: ps.LayerMix(default=ps.LayerMix(), overrides={}), r"mixes do not nest"),
     "absolute-part": (lambda: ps.LayerMix(default="rope", overrides={"learned": [0]}),
                       r"'learned', an absolute scheme: absolute schemes add their vectors once"),
+    "layers-as-keys": (lambda: ps.LayerMix(default="rope", overrides={1: "alibi"}),
+                       r"entry \(1, 'alibi'\) is \(layer, scheme\).*overrides=\{'alibi': \[1\]\}"),
     "not-an-index": (lambda: ps.LayerMix(default="rope", overrides={"none": [1.5]}), r"not valid: \[1.5\]"),
     "negative-floor-scale": (lambda: ps.LayerMix(overrides={"none": [1]}, attn_temperature_tuning=True,
                                                  floor_scale=-1), r"LayerMix.floor_scale must be a finite number > 0"),
