@@ -22,12 +22,12 @@ from .base import (
 from .fused_alibi import alibi_attention
 
 
-def alibi_slopes(num_heads: int) -> torch.Tensor:
+def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Head slopes m_h of Press et al. 2022, §3 and their reference code.
 
     For n a power of two: the geometric sequence starting at and with ratio 2^(-8/n). Otherwise: the slopes for the
     closest smaller power of two p, followed by every other slope of the 2p sequence until n slopes exist.
-    Returns [num_heads] float32.
+    Returns [num_heads] in ``dtype`` (computed in Python's float64, then rounded once).
     """
 
     def power_of_two_slopes(n: int) -> list[float]:
@@ -38,7 +38,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     slopes = power_of_two_slopes(closest)
     if closest != num_heads:
         slopes += power_of_two_slopes(2 * closest)[0::2][: num_heads - closest]
-    return torch.tensor(slopes, dtype=torch.float32)
+    return torch.tensor(slopes, dtype=dtype)
 
 
 class AlibiBias(BiasPositions):
@@ -54,28 +54,42 @@ class AlibiBias(BiasPositions):
             self.slopes = nn.Parameter(slopes)
         else:
             self.register_buffer("slopes", slopes)
+        self._exact: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # fixed slopes per device, dtype
+
+    def exact_slopes(self) -> torch.Tensor:
+        """The slopes the bias uses, float32 (float64 in a float64 model): trainable ones as trained; fixed ones as
+        Press et al.'s values, whatever a cast after the swap (``model.to(torch.bfloat16)``) rounded the stored
+        buffer to (bf16 moves them by up to 0.4 %: two logits at a distance of 2,047)."""
+        dtype = torch.float64 if self.slopes.dtype == torch.float64 else torch.float32
+        if isinstance(self.slopes, nn.Parameter) or self.slopes.requires_grad:
+            return self.slopes.to(dtype)
+        key = (self.slopes.device, dtype)
+        found = self._exact.get(key)
+        if found is None:
+            found = self._exact[key] = alibi_slopes(self.slopes.shape[0], dtype).to(self.slopes.device)
+        return found
 
     def forward(
         self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool, memo: dict | None = None
     ) -> torch.Tensor:
         # query_pos [q], key_pos [kv] -> [1, H, q, kv]  (or [B, q], [B, kv] -> [B, H, q, kv])
         # float32 at least (half-precision slopes would round the distances), float64 for a float64 model
-        dtype = torch.float64 if self.slopes.dtype == torch.float64 else torch.float32
-        distance = (key_pos[..., None, :] - query_pos[..., :, None]).to(dtype)  # [..., q, kv], j - i
+        slopes = self.exact_slopes()
+        distance = (key_pos[..., None, :] - query_pos[..., :, None]).to(slopes.dtype)  # [..., q, kv], j - i
         if not causal:
             distance = -distance.abs()
-        bias = self.slopes.to(dtype)[:, None, None] * distance.unsqueeze(-3)  # -m (i - j): [..., H, q, kv]
+        bias = slopes[:, None, None] * distance.unsqueeze(-3)  # -m (i - j): [..., H, q, kv]
         return bias if bias.dim() == 4 else bias.unsqueeze(0)
 
     def fused_attention(self, call: FusedCall) -> torch.Tensor | None:
         """Attention without the dense bias (``fused_alibi``): the separable form when causal, a strided Toeplitz
         view of the bias when bidirectional (half precision on CPU too); None (dense path) for half precision on
         other devices and layouts it does not handle."""
-        return alibi_attention(call, self.slopes, self)
+        return alibi_attention(call, self.exact_slopes(), self)
 
     def flex_bias(self, spec: FlexSpec) -> FlexBias:
         """``m_h (j - i)``, or ``-m_h |j - i|`` when bidirectional, elementwise (as :meth:`forward`, float32)."""
-        slopes = spread(self.slopes.to(torch.float32), spec.lanes)  # [H, lanes]; trainable slopes keep their graph
+        slopes = spread(self.exact_slopes().to(torch.float32), spec.lanes)  # [H, lanes]; trainable: with graph
 
         def causal_bias(head: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
                         lane: torch.Tensor) -> torch.Tensor:
@@ -112,4 +126,5 @@ class AlibiConfig(SchemeConfig):
         require_bool("AlibiConfig", "trainable_slopes", self.trainable_slopes)
 
     def build(self, spec: ModelSpec) -> AlibiBias:
-        return AlibiBias(alibi_slopes(spec.num_heads).to(spec.device), self.trainable_slopes)
+        dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32  # half precision rounds slopes
+        return AlibiBias(alibi_slopes(spec.num_heads, dtype).to(spec.device), self.trainable_slopes)
