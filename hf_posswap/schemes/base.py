@@ -315,6 +315,21 @@ class FusedCall:
 HALF_PRECISION = (torch.bfloat16, torch.float16)
 
 
+def full_precision_buffer(module: nn.Module, name: str, recompute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``module``'s fixed buffer ``name`` (RoPE's frequencies, xPos's decay rates) in float32 at least. A cast after
+    the swap (``model.to(torch.bfloat16)``) rounds it to 8 bits, which moves the angle of position p by p times
+    the rounding (whole turns within a few thousand tokens); such a buffer is recomputed exactly by ``recompute()``
+    instead, once per device. Buffers in float32 or float64 are used as they are."""
+    buffer = getattr(module, name)
+    if buffer.dtype in (torch.float32, torch.float64):
+        return buffer
+    memo = module.__dict__.setdefault("_posswap_full_precision", {})
+    key = (name, buffer.device)
+    if key not in memo:
+        memo[key] = recompute().to(buffer.device, torch.float32)
+    return memo[key]
+
+
 def bias_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a fused form computes bias numbers in for q/k/v of ``dtype``: float32 for half precision (sdpa's
     CPU kernel adds a float32 mask to its float32 logits, so the bias is not rounded to 8 or 11 bits, as the dense

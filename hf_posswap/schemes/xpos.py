@@ -28,7 +28,15 @@ from typing import ClassVar
 import torch
 
 from ..errors import InvalidConfigError
-from .base import ModelSpec, RotaryPositions, SchemeConfig, register_scheme, require_frequency_base, require_positive
+from .base import (
+    ModelSpec,
+    RotaryPositions,
+    SchemeConfig,
+    full_precision_buffer,
+    register_scheme,
+    require_frequency_base,
+    require_positive,
+)
 from .rope import DEFAULT_ROPE_THETA, default_inv_freq
 
 #: the paper's gamma in zeta_i = (2i / d + gamma) / (1 + gamma)
@@ -78,7 +86,10 @@ class XposEmbedding(RotaryPositions):
 
     def frequencies(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
         """inv_freq [d / 2] and the attention factor (1: xPos scales per pair instead), as RoPE's module answers."""
-        return self.inv_freq.to(device), 1.0
+        return self._inv_freq().to(device), 1.0
+
+    def _inv_freq(self) -> torch.Tensor:
+        return full_precision_buffer(self, "inv_freq", lambda: default_inv_freq(self.rope_theta, self.head_dim))
 
     def forward(
         self,
@@ -89,15 +100,17 @@ class XposEmbedding(RotaryPositions):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [P] or [B, P] (reference: an int, or [B, 1]) -> cos, sin [..., P, head_dim] (float32, or float64
         # for a model cast to float64)
-        dtype = torch.promote_types(self.inv_freq.dtype, torch.float32)
+        inv_freq = self._inv_freq()
+        zeta = full_precision_buffer(self, "zeta", lambda: xpos_zeta(self.head_dim))
+        dtype = inv_freq.dtype  # float32, or float64 for a model cast to float64
         positions = positions.to(dtype)
-        freqs = positions[..., None] * self.inv_freq.to(dtype)  # [..., P, d/2]
+        freqs = positions[..., None] * inv_freq  # [..., P, d/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [..., P, d]
         power = (positions - reference) / self.scale_base  # [..., P]
         self._check_span(power)
         if keys:
             power = -power
-        scale = self.zeta.to(dtype) ** power[..., None]  # [..., P, d/2]
+        scale = zeta.to(dtype) ** power[..., None]  # [..., P, d/2]
         scale = torch.cat((scale, scale), dim=-1)  # [..., P, d]
         return angles.cos() * scale, angles.sin() * scale
 

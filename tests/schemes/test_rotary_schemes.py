@@ -403,3 +403,39 @@ def test_standalone_export_loads_without_hf_posswap(tmp_path: Path, scheme: str)
         torch.save({"input_ids": input_ids, "expected": model(input_ids=input_ids).logits}, tmp_path / "io.pt")
     ps.export_standalone(model, tmp_path / "export")
     assert "EQUAL" in load_without_hf_posswap(tmp_path / "export", tmp_path / "io.pt", "AutoModelForCausalLM")
+
+
+ROTATIONS_INSIDE_ATTENTION = [("gpt2", "rope"), ("gpt2", "xpos"), ("gpt2", "proportional"), ("llama", "xpos"),
+                              ("llama", "layer_mix")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("family", "scheme"), ROTATIONS_INSIDE_ATTENTION,
+                         ids=[f"{f}-{s}" for f, s in ROTATIONS_INSIDE_ATTENTION])
+def test_a_cast_after_the_swap_keeps_the_frequencies_exact(family: str, scheme: str, dtype: torch.dtype) -> None:
+    """``model.to(torch.bfloat16)`` after the swap rounded the rotation's frequencies (and xPos's decay rates) to 8
+    bits, so the angle of position p moved by p times the rounding, while the same cast before the swap kept them
+    in float32 (logits 2e-3 apart at 60 tokens). Both orders now rotate by float32 frequencies."""
+    from conftest import scheme_config
+
+    def model(cast_first: bool) -> torch.nn.Module:
+        built = make_model(family).eval()
+        if cast_first:
+            built = built.to(dtype)
+        ps.swap(built, scheme_config(scheme))
+        return built if cast_first else built.to(dtype)
+
+    ids = torch.randint(3, VOCAB, (2, 60), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(False)(ids).logits, model(True)(ids).logits, rtol=0, atol=0)
+    if scheme == "proportional":  # its unrotated pairs make the angles below another formula; the logits suffice
+        return
+    rotation = model(False).base_model.posswap_positions
+    rotation = rotation(0) if scheme == "layer_mix" else rotation  # the mix's RoPE part (layer 0)
+    centred = {"reference": 8191} if scheme == "xpos" else {}  # xPos's factor 1 there, so float16 holds it
+    cos, sin = rotation(torch.tensor([8191]), **centred)  # [1, rotary_dim] each
+    half = rotation.rotary_dim // 2
+    exact = 8191 * 10_000.0 ** (-torch.arange(half, dtype=torch.float64) * 2 / rotation.rotary_dim)  # RoFormer eq. 15
+    angle = torch.atan2(sin[0, :half].double(), cos[0, :half].double())  # xPos scales cos and sin alike
+    wrapped = torch.remainder(angle - exact + torch.pi, 2 * torch.pi) - torch.pi
+    assert wrapped.abs().max() < 5e-3  # float32's rounding at p = 8191; with 8-bit frequencies whole radians off
