@@ -42,6 +42,7 @@ from ..transformers_internals import (
     self_attention_layers,
 )
 from .input_positions import check_position_ids, explicit_positions, padded_positions, row_shifts
+from .offload import onloaded
 from .rotary_cache import MARKER, refuse_foreign_rotation, rotates_once
 
 CONTEXT_KWARG = "posswap_context"
@@ -420,7 +421,8 @@ class PositionForward:
         if not self.active:
             return self._forward(args, kwargs)
         args, kwargs, check = self.inputs(self.base, args, kwargs)
-        outputs = self._forward(args, kwargs)
+        with onloaded(getattr(self.base, POSITIONS_ATTR, None)):  # weights accelerate offloaded, for the forward
+            outputs = self._forward(args, kwargs)
         check.verify(outputs)
         return outputs
 

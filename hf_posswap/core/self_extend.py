@@ -271,7 +271,9 @@ def _attend(call: _Call, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
     use_grouped = _grouped_pairs(call, distance, call.query_rows[:, rows])
     scores = _scores(call, rows, use_grouped)
     scores = _masked(call, scores, distance, rows)
-    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(call.query.dtype)
+    # float32 at least, float64 for a float64 model (float32 reads float64's lowest as -inf: NaN on padded rows)
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    weights = weights.to(call.query.dtype)
     del scores
     weights = nn.functional.dropout(weights, p=call.dropout, training=call.module.training)
     batch, heads, count, _ = weights.shape

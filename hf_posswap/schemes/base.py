@@ -315,19 +315,25 @@ class FusedCall:
 HALF_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def full_precision_buffer(module: nn.Module, name: str, recompute: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``module``'s fixed buffer ``name`` (RoPE's frequencies, xPos's decay rates) in float32 at least. A cast after
-    the swap (``model.to(torch.bfloat16)``) rounds it to 8 bits, which moves the angle of position p by p times
-    the rounding (whole turns within a few thousand tokens); such a buffer is recomputed exactly by ``recompute()``
-    instead, once per device. Buffers in float32 or float64 are used as they are."""
+def exact_buffer(module: nn.Module, name: str, recompute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``module``'s fixed buffer ``name`` (RoPE's frequencies, xPos's decay rates) in float32 (float64 when the buffer
+    is float64), with every value that is the exact one rounded to bfloat16 or float16 replaced by the exact one
+    (``recompute()``, made once per device). A cast after the swap (``model.to(torch.bfloat16)``) rounds the buffer
+    to 8 bits, and a checkpoint saved from such a model holds the rounded values even when reloaded in float32:
+    read as they are, they would move the angle of position p by p times the rounding (0.36 rad at 2,047). Values
+    changed on purpose (``inv_freq.mul_(0.5)``) are used as they are. Elementwise, so no device sync."""
     buffer = getattr(module, name)
-    if buffer.dtype in (torch.float32, torch.float64):
-        return buffer
-    memo = module.__dict__.setdefault("_posswap_full_precision", {})
-    key = (name, buffer.device)
+    dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
+    memo = module.__dict__.setdefault("_posswap_exact_buffers", {})
+    key = (name, buffer.device, dtype)
     if key not in memo:
-        memo[key] = recompute().to(buffer.device, torch.float32)
-    return memo[key]
+        exact = recompute().to(buffer.device, dtype)
+        memo[key] = exact, exact.to(torch.bfloat16).to(dtype), exact.to(torch.float16).to(dtype)
+    exact, as_bfloat16, as_float16 = memo[key]
+    stored = buffer.to(dtype)
+    if stored.shape != exact.shape:
+        return stored
+    return torch.where((stored == as_bfloat16) | (stored == as_float16), exact, stored)
 
 
 def bias_dtype(dtype: torch.dtype) -> torch.dtype:

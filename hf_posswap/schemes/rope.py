@@ -17,7 +17,7 @@ from .base import (
     ModelSpec,
     RotaryPositions,
     SchemeConfig,
-    full_precision_buffer,
+    exact_buffer,
     register_scheme,
     require_fraction,
     require_frequency_base,
@@ -97,8 +97,8 @@ class RotaryEmbedding(RotaryPositions):
     def frequencies(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
         """inv_freq [rotary_dim / 2] and the attention factor for the current sequence length."""
         if not self.length_dependent or seq_len is None or seq_len <= self.original_length:
-            # at or below L0: exactly the unscaled values (recomputed where a cast rounded the buffer)
-            inv_freq = full_precision_buffer(self, "inv_freq", lambda: self._init(None, None)[0])
+            # at or below L0: exactly the unscaled values (recomputed: a cast may have rounded the buffer)
+            inv_freq = exact_buffer(self, "inv_freq", lambda: self._init(None, None)[0])
             return inv_freq.to(device), self.attention_scaling
         key = seq_len if self.rope_type == "dynamic" else self.original_length + 1  # longrope: one long set
         if self._length_cache is None or self._length_cache[:2] != (key, device):

@@ -32,7 +32,7 @@ from .base import (
     ModelSpec,
     RotaryPositions,
     SchemeConfig,
-    full_precision_buffer,
+    exact_buffer,
     register_scheme,
     require_frequency_base,
     require_positive,
@@ -89,7 +89,7 @@ class XposEmbedding(RotaryPositions):
         return self._inv_freq().to(device), 1.0
 
     def _inv_freq(self) -> torch.Tensor:
-        return full_precision_buffer(self, "inv_freq", lambda: default_inv_freq(self.rope_theta, self.head_dim))
+        return exact_buffer(self, "inv_freq", lambda: default_inv_freq(self.rope_theta, self.head_dim))
 
     def forward(
         self,
@@ -101,7 +101,7 @@ class XposEmbedding(RotaryPositions):
         # positions [P] or [B, P] (reference: an int, or [B, 1]) -> cos, sin [..., P, head_dim] (float32, or float64
         # for a model cast to float64)
         inv_freq = self._inv_freq()
-        zeta = full_precision_buffer(self, "zeta", lambda: xpos_zeta(self.head_dim))
+        zeta = exact_buffer(self, "zeta", lambda: xpos_zeta(self.head_dim))
         dtype = inv_freq.dtype  # float32, or float64 for a model cast to float64
         positions = positions.to(dtype)
         freqs = positions[..., None] * inv_freq  # [..., P, d/2]

@@ -228,3 +228,45 @@ def test_unswap_under_an_accelerate_hook_then_removing_it_gives_the_native_model
         torch.testing.assert_close(model(input_ids=input_ids).logits, native)
         remove_hook_from_module(model.model)
         torch.testing.assert_close(model(input_ids=input_ids).logits, native)
+
+
+OFFLOADED = [("llama", "t5"), ("llama", "fire"), ("gpt2", "alibi-trainable"), ("bert", "t5"), ("llama", "layer-mix")]
+
+
+def offload_case(family: str, scheme: str) -> torch.nn.Module:
+    """A swapped model whose position weights are read directly (T5 tables, FIRE's MLP, slopes in a fused kernel)."""
+    if scheme == "alibi-trainable":
+        model = make_model(family)
+        ps.swap(model, ps.AlibiConfig(trainable_slopes=True))
+        return model
+    if scheme == "layer-mix":
+        model = make_model(family)
+        ps.swap(model, ps.LayerMix(default="rope", overrides=[(scheme_config("t5"), [1])]))
+        with torch.no_grad():
+            for parameter in model.base_model.posswap_positions.parameters():
+                parameter.copy_(torch.randn_like(parameter))
+        return model
+    return swapped(family, scheme)
+
+
+@pytest.mark.parametrize(("family", "scheme"), OFFLOADED, ids=[f"{f}-{s}" for f, s in OFFLOADED])
+def test_accelerate_offloading_gives_the_numbers_of_the_model_in_memory(family: str, scheme: str, tmp_path) -> None:
+    """accelerate keeps offloaded weights on the meta device until the module holding them is called; the schemes
+    read their submodules' weights directly, which failed ("Tensor on device meta is not on the expected device
+    cpu") under cpu_offload and from_pretrained(device_map=..., offload_folder=...)."""
+    from accelerate import cpu_offload
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    model = offload_case(family, scheme).eval()
+    inputs = padded_inputs()
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        offloaded = cpu_offload(copy.deepcopy(model), execution_device=torch.device("cpu"))
+        torch.testing.assert_close(offloaded(**inputs).logits, expected, rtol=0, atol=0)
+    model.save_pretrained(tmp_path / "saved")
+    auto = AutoModelForMaskedLM if family == "bert" else AutoModelForCausalLM
+    reloaded = auto.from_pretrained(tmp_path / "saved", device_map="auto", max_memory={"cpu": "40KB"},
+                                    offload_folder=tmp_path / "offload").eval()
+    assert any(p.is_meta for p in reloaded.parameters())  # some weights did go to the disk
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**inputs).logits, expected, rtol=1e-6, atol=1e-6)

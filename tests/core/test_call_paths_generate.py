@@ -175,3 +175,20 @@ def test_position_ids_that_skip_beside_a_cache_are_refused(scheme: str) -> None:
         model(input_ids=input_ids, position_ids=jumping, use_cache=False)  # honoured without a cache
         padded = torch.tensor([[1, 1, 1, 0, 1, 2, 3, 4]])  # generate's ids of a left-padded row
         model(input_ids=input_ids[:, :8], position_ids=padded, past_key_values=DynamicCache(), use_cache=True)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("method", ["self_extend", "rerope"])
+def test_two_pass_attention_in_float64_stays_finite_with_padding(method: str, attn: str) -> None:
+    """The two-pass softmax ran in float32, which reads float64's lowest logit as -inf: a wholly masked padding row
+    became NaN and spread to every real token of its row in the next layer (54 of 54 seen)."""
+    model = make_model("llama", attn)
+    options = {"neighbor_window": 8, "group_size": 4} if method == "self_extend" else {"window": 8}
+    model = ps.extend_context(model, 2 * MAX_POSITIONS, method, **options).to(torch.float64).eval()
+    ids = torch.cat([torch.zeros(1, 6, dtype=torch.long), tokens(1, 40, seed=6)], 1)
+    mask = (torch.arange(46) >= 6).long()[None]
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask).logits[0, 6:]
+        alone = model(input_ids=ids[:, 6:]).logits[0]
+    assert torch.isfinite(padded).all()
+    torch.testing.assert_close(padded, alone, atol=1e-10, rtol=1e-10)

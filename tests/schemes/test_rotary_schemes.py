@@ -409,13 +409,29 @@ ROTATIONS_INSIDE_ATTENTION = [("gpt2", "rope"), ("gpt2", "xpos"), ("gpt2", "prop
                               ("llama", "layer_mix")]
 
 
+def assert_exact_angles(model: torch.nn.Module, scheme: str) -> None:
+    """The angles at position 8,191 equal RoFormer's (eq. 15, in float64) to float32's rounding; frequencies rounded
+    to 8 bits put them whole radians off."""
+    rotation = model.base_model.posswap_positions
+    rotation = rotation(0) if scheme == "layer_mix" else rotation  # the mix's RoPE part (layer 0)
+    centred = {"reference": 8191} if scheme == "xpos" else {}  # xPos's factor 1 there, so float16 holds it
+    cos, sin = rotation(torch.tensor([8191]), **centred)  # [1, rotary_dim] each
+    half = rotation.rotary_dim // 2
+    exact = 8191 * 10_000.0 ** (-torch.arange(half, dtype=torch.float64) * 2 / rotation.rotary_dim)
+    angle = torch.atan2(sin[0, :half].double(), cos[0, :half].double())  # xPos scales cos and sin alike
+    wrapped = torch.remainder(angle - exact + torch.pi, 2 * torch.pi) - torch.pi
+    assert wrapped.abs().max() < 5e-3
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(("family", "scheme"), ROTATIONS_INSIDE_ATTENTION,
                          ids=[f"{f}-{s}" for f, s in ROTATIONS_INSIDE_ATTENTION])
-def test_a_cast_after_the_swap_keeps_the_frequencies_exact(family: str, scheme: str, dtype: torch.dtype) -> None:
+def test_a_cast_after_the_swap_keeps_the_frequencies_exact(family: str, scheme: str, dtype: torch.dtype,
+                                                           tmp_path: Path) -> None:
     """``model.to(torch.bfloat16)`` after the swap rounded the rotation's frequencies (and xPos's decay rates) to 8
-    bits, so the angle of position p moved by p times the rounding, while the same cast before the swap kept them
-    in float32 (logits 2e-3 apart at 60 tokens). Both orders now rotate by float32 frequencies."""
+    bits, so the angle of position p moved by p times the rounding (1.46 rad at 8,191), while the same cast before
+    the swap kept them in float32; a checkpoint saved from the cast model, or a cast back to float32, kept the
+    rounded values. Every order now rotates by the exact float32 frequencies."""
     from conftest import scheme_config
 
     def model(cast_first: bool) -> torch.nn.Module:
@@ -426,16 +442,14 @@ def test_a_cast_after_the_swap_keeps_the_frequencies_exact(family: str, scheme: 
         return built if cast_first else built.to(dtype)
 
     ids = torch.randint(3, VOCAB, (2, 60), generator=torch.Generator().manual_seed(1))
+    cast_after = model(False)
     with torch.no_grad():
-        torch.testing.assert_close(model(False)(ids).logits, model(True)(ids).logits, rtol=0, atol=0)
-    if scheme == "proportional":  # its unrotated pairs make the angles below another formula; the logits suffice
+        torch.testing.assert_close(cast_after(ids).logits, model(True)(ids).logits, rtol=0, atol=0)
+    if scheme == "proportional":  # its unrotated pairs make the angles another formula; the logits suffice
         return
-    rotation = model(False).base_model.posswap_positions
-    rotation = rotation(0) if scheme == "layer_mix" else rotation  # the mix's RoPE part (layer 0)
-    centred = {"reference": 8191} if scheme == "xpos" else {}  # xPos's factor 1 there, so float16 holds it
-    cos, sin = rotation(torch.tensor([8191]), **centred)  # [1, rotary_dim] each
-    half = rotation.rotary_dim // 2
-    exact = 8191 * 10_000.0 ** (-torch.arange(half, dtype=torch.float64) * 2 / rotation.rotary_dim)  # RoFormer eq. 15
-    angle = torch.atan2(sin[0, :half].double(), cos[0, :half].double())  # xPos scales cos and sin alike
-    wrapped = torch.remainder(angle - exact + torch.pi, 2 * torch.pi) - torch.pi
-    assert wrapped.abs().max() < 5e-3  # float32's rounding at p = 8191; with 8-bit frequencies whole radians off
+    assert_exact_angles(cast_after, scheme)
+    assert_exact_angles(model(False).to(torch.float32), scheme)
+    cast_after.save_pretrained(tmp_path)
+    from transformers import AutoModelForCausalLM
+
+    assert_exact_angles(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32), scheme)
