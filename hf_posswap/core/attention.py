@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..schemes.base import FusedCall
+from ..schemes.base import FusedCall, pinned_id
 from ..transformers_internals import (
     KNOWN_CACHE_KWARGS,
     check_interfaces,
@@ -149,7 +149,7 @@ def dense_bias_mask(
         key.shape[2],
         causal,
         query.dtype,
-        None if attention_mask is None else id(attention_mask),
+        pinned_id(context.memo, attention_mask),
         # reentrant gradient checkpointing runs the forward under no_grad, then recomputes it with grad enabled
         # in backward (same context): a mask memoised without grad must not stand in for the recomputed one
         torch.is_grad_enabled(),

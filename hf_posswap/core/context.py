@@ -92,8 +92,9 @@ class PositionContext:
     #: rotation matrices, block masks). Keys are tuples whose first item names what is kept and who keeps it
     #: ("positions", "layer-context", "part-memo" here; "t5-buckets", "t5-fused-*", "alibi-*" in the schemes;
     #: "rope-*" in rotary_cache.py, "flex-*" in flex_bias.py, "self-extend-*", "ring-*", "mask" in core) and
-    #: whose other items are what it depends on. A key may hold id(tensor) of a tensor the forward keeps alive
-    #: (the mask, the position rows): the memo is dropped with the forward.
+    #: whose other items are what it depends on. A key names a tensor (a mask, position rows) by
+    #: ``schemes.base.pinned_id``, which keeps the tensor alive in the memo (an id is unique only while its object
+    #: lives); the memo is dropped with the forward.
     memo: dict = field(default_factory=dict)
 
     #: explicit per-row positions [B, q] (position ids passed without cache or padding, e.g. PoSE training)

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from ..errors import FlexAttentionError
-from ..schemes.base import FlexBias, FlexSpec, FusedCall
+from ..schemes.base import FlexBias, FlexSpec, FusedCall, pinned_id
 
 #: device types the flex path runs on; CPU only in tests (uncompiled flex materialises the scores, forward only)
 FLEX_DEVICES: set[str] = {"cuda"}
@@ -131,7 +131,7 @@ def position_ranges_of(call: FusedCall) -> tuple[int, tuple[int, int]]:
         first_query, first_key = call.starts
         reach = max(abs(first_key + kv_len - 1 - first_query), abs(first_query + q_len - 1 - first_key))
         return reach, (first_query, first_query + q_len - 1)
-    memo_key = ("flex-ranges", id(call.query_pos), id(call.key_pos))
+    memo_key = ("flex-ranges", pinned_id(call.memo, call.query_pos), pinned_id(call.memo, call.key_pos))
     if memo_key not in call.memo:
         query_pos, key_pos = call.query_pos, call.key_pos
         ends = torch.stack((query_pos.min(), query_pos.max(), key_pos.min(), key_pos.max())).tolist()
@@ -259,7 +259,7 @@ def flex_block_mask(call: FusedCall) -> Any:
     """The call's BlockMask (None: every key visible), made once per forward and shared by every layer."""
     q_len, kv_len = call.query.shape[2], call.key.shape[2]
     mask = call.attention_mask
-    memo_key = ("flex-block-mask", q_len, kv_len, call.causal, None if mask is None else id(mask),
+    memo_key = ("flex-block-mask", q_len, kv_len, call.causal, pinned_id(call.memo, mask),
                 call.query_pos.dim(), call.query.device)
     if memo_key not in call.memo:
         call.memo[memo_key] = _make_block_mask(call, q_len, kv_len)

@@ -15,6 +15,7 @@ Outside :func:`record_paths` nothing is kept (one attribute read per attention c
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 #: path names used by the carriers (a test may compare against these)
@@ -27,21 +28,27 @@ SELF_EXTEND_MERGED = "self-extend-merged"  # two fused attention calls merged by
 RING = "ring"  # core.context_parallel: key blocks passed round the ranks, as matmuls
 RING_FUSED = "ring-fused"  # the same through the CPU flash kernel (core.ring_function.fused_applies)
 
-_recorders: list[list[str]] = []
+#: (thread, paths) of every open :func:`record_paths` block: a block records its own thread's calls, not those of
+#: another thread's model (a serving process runs several)
+_recorders: list[tuple[int, list[str]]] = []
 
 
 def note_path(name: str) -> None:
     """Record that one attention call took path ``name`` (no-op outside :func:`record_paths`)."""
     if _recorders:
-        _recorders[-1].append(name)
+        thread = threading.get_ident()
+        for owner, taken in reversed(_recorders):
+            if owner == thread:
+                taken.append(name)
+                return
 
 
 @contextlib.contextmanager
 def record_paths() -> Iterator[list[str]]:
-    """Collect the path of every attention call made inside the block, in call order."""
-    taken: list[str] = []
-    _recorders.append(taken)
+    """Collect the path of every attention call this thread makes inside the block, in call order."""
+    entry = (threading.get_ident(), [])
+    _recorders.append(entry)
     try:
-        yield taken
+        yield entry[1]
     finally:
-        _recorders.remove(taken)
+        _recorders.remove(entry)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidConfigError
+from ..schemes.base import pinned_id
 from ..schemes.kept_rows import same_values
 from ..schemes.rope import apply_rotary
 from ..transformers_internals import (
@@ -211,7 +212,7 @@ def _turn(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
 def _rotation_matrix(context: Any, cos: torch.Tensor, sin: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """R [D, D] with x @ R = x * cos + rotate_half(x) * sin on the first r dims and x on the others (cos, sin
     [1, r]), once per forward."""
-    memo_key = ("rope-matrix", id(cos), dim, dtype)
+    memo_key = ("rope-matrix", pinned_id(context.memo, cos), dim, dtype)
     found = context.memo.get(memo_key)
     if found is None:
         found = context.memo[memo_key] = _rotation_matrices(cos.to(dtype), sin.to(dtype), dim)[0]
@@ -256,7 +257,7 @@ def _row_angles(
     from each row's ``reference`` [B, 1]; RoPE: the same for both)."""
     scaled = scales_keys(scheme)
     keys = keys and scaled
-    memo_key = ("rope-rows", id(rows), seq_len, rows.device, torch.is_grad_enabled(), keys)
+    memo_key = ("rope-rows", pinned_id(context.memo, rows), seq_len, rows.device, torch.is_grad_enabled(), keys)
     found = context.memo.get(memo_key)
     if found is None:
         found = scheme(rows, seq_len, keys=keys, reference=reference) if scaled else scheme(rows, seq_len)

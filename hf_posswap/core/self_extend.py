@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..schemes.base import pinned_id
 from ..schemes.rope import apply_rotary
 from ..schemes.two_pass import TwoPassSettings
 from ..transformers_internals import attention_implementation
@@ -126,7 +127,7 @@ def _plain_causal(mask: torch.Tensor | None, query_pos: torch.Tensor, key_pos: t
         return True
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1:] != (1, len(query_pos), len(key_pos)):
         return False
-    memo_key = ("self-extend-plain-mask", id(mask), len(query_pos), len(key_pos))
+    memo_key = ("self-extend-plain-mask", pinned_id(memo, mask), len(query_pos), len(key_pos))
     plain = memo.get(memo_key)
     if plain is None:
         plain = memo[memo_key] = bool((mask == (key_pos[None, :] <= query_pos[:, None])).all())

@@ -315,6 +315,18 @@ class FusedCall:
 HALF_PRECISION = (torch.bfloat16, torch.float16)
 
 
+def pinned_id(memo: dict | None, tensor: Any) -> int | None:
+    """``id(tensor)`` for a key of a per-forward memo, with ``tensor`` kept alive by the memo until the forward ends
+    (None for None). An id names one object only while that object lives: a mask made for one layer alone (by a
+    forward hook) is freed before the next layer's, whose new mask may get the same id and would then be answered
+    from the first mask's entry."""
+    if tensor is None:
+        return None
+    if memo is not None:
+        memo.setdefault(("pinned",), {})[id(tensor)] = tensor
+    return id(tensor)
+
+
 def exact_buffer(module: nn.Module, name: str, recompute: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``module``'s fixed buffer ``name`` (RoPE's frequencies, xPos's decay rates) in float32 (float64 when the buffer
     is float64), with every value that is the exact one rounded to bfloat16 or float16 replaced by the exact one

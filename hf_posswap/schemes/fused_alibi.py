@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .base import HALF_PRECISION, FusedCall, bias_dtype
+from .base import HALF_PRECISION, FusedCall, bias_dtype, pinned_id
 from .denormals import sdpa_flushing_denormals
 from .kept_rows import kept_row, row_copy
 
@@ -149,7 +149,7 @@ def causal_plan(call: FusedCall) -> CausalPlan | None:
 
 def memoised_plan(call: FusedCall) -> CausalPlan | None:
     """:func:`causal_plan`, once per forward: every layer of a forward has the same positions and mask."""
-    mask_id = None if call.attention_mask is None else id(call.attention_mask)
+    mask_id = pinned_id(call.memo, call.attention_mask)
     key = ("alibi-plan", call.query.shape[2], call.key.shape[2], call.query_pos.dim(), mask_id)
     if key not in call.memo:
         call.memo[key] = causal_plan(call)
@@ -270,7 +270,7 @@ def _small_query_bias(
     per forward when no gradient needs it (every layer shares the slopes). A decoding step (one query, index
     positions, no mask) reads it from a bias row kept on ``owner`` across steps: one copy of a slice, no arithmetic."""
     dtype = bias_dtype(call.query.dtype)
-    key = ("alibi-small-bias", call.query.shape[2], plan.visible, dtype, None if plan.mask is None else id(plan.mask))
+    key = ("alibi-small-bias", call.query.shape[2], plan.visible, dtype, pinned_id(call.memo, plan.mask))
     memoise = not (slopes.requires_grad and torch.is_grad_enabled())
     if memoise and key in call.memo:
         return call.memo[key]

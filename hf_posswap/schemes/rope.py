@@ -101,10 +101,11 @@ class RotaryEmbedding(RotaryPositions):
             inv_freq = exact_buffer(self, "inv_freq", lambda: self._init(None, None)[0])
             return inv_freq.to(device), self.attention_scaling
         key = seq_len if self.rope_type == "dynamic" else self.original_length + 1  # longrope: one long set
-        if self._length_cache is None or self._length_cache[:2] != (key, device):
+        kept = self._length_cache  # one read: another thread may replace it meanwhile (for another length)
+        if kept is None or kept[:2] != (key, device):
             inv_freq, scaling = self._init(device, key)
-            self._length_cache = (key, device, inv_freq.to(device, torch.float32), scaling)
-        return self._length_cache[2], self._length_cache[3]
+            kept = self._length_cache = (key, device, inv_freq.to(device, torch.float32), scaling)
+        return kept[2], kept[3]
 
     def forward(self, positions: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [P] or [B, P] -> cos, sin [..., P, rotary_dim] (float32); seq_len: the current length

@@ -21,6 +21,7 @@ from .base import (
     ModelSpec,
     SchemeConfig,
     bias_dtype,
+    pinned_id,
     register_scheme,
     require_bool,
     require_int_at_least,
@@ -112,7 +113,7 @@ class T5RelativeBias(BiasPositions):
             tuple(key_pos.shape),
             first_query,
             first_key,
-            id(query_pos) if query_pos.dim() > 1 else None,
+            pinned_id(memo, query_pos) if query_pos.dim() > 1 else None,
         )
         buckets = memo.get(memo_key) if memo is not None else None
         if buckets is None and index_positions:  # a view of the kept bucket row
@@ -237,7 +238,7 @@ def _consecutive_positions(call: FusedCall) -> bool:
     (encoders always pass them) qualify when every row is the same run of consecutive integers."""
     if call.query_pos.dim() == 1:
         return True
-    memo_key = ("t5-fused-rows", id(call.query_pos), id(call.key_pos))
+    memo_key = ("t5-fused-rows", pinned_id(call.memo, call.query_pos), pinned_id(call.memo, call.key_pos))
     plain = call.memo.get(memo_key)
     if plain is None:
         rows = call.query_pos
@@ -255,7 +256,7 @@ def _plain_mask(call: FusedCall) -> bool:
         return True
     if not call.causal or mask.dtype != torch.bool:
         return False
-    memo_key = ("t5-fused-mask", id(mask), call.query.shape[2], call.key.shape[2])
+    memo_key = ("t5-fused-mask", pinned_id(call.memo, mask), call.query.shape[2], call.key.shape[2])
     plain = call.memo.get(memo_key)
     if plain is None:
         query_pos = call.query_pos.flatten()[: call.query.shape[2]]  # rows are equal (checked before)

@@ -270,3 +270,77 @@ def test_accelerate_offloading_gives_the_numbers_of_the_model_in_memory(family: 
     assert any(p.is_meta for p in reloaded.parameters())  # some weights did go to the disk
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**inputs).logits, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "t5", "fire"])
+def test_a_mask_made_for_one_layer_stays_its_own(scheme: str) -> None:
+    """The per-forward memo names masks by id(); a mask a forward hook makes for one layer alone was freed when
+    that layer returned, and the next layer's new mask could take its id and be served its merged mask (0.41 off
+    in the logits with ALiBi). The memo now holds every mask it names until the forward ends."""
+    import weakref
+
+    model = swapped("llama", scheme, attn="eager").eval()
+    ids = tokens(1, 24)
+    length = ids.shape[1]
+
+    def mask_for(layer: int) -> torch.Tensor:
+        allowed = torch.ones(length, length, dtype=torch.bool).tril()
+        if layer == 1:  # layer 1 also hides the first 8 keys
+            allowed[:, :8] = False
+            allowed[torch.arange(length), torch.arange(length)] = True
+        return torch.zeros(1, 1, length, length).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+    def run(keep: list | None) -> tuple[torch.Tensor, list]:
+        made = []
+
+        def hook(layer: int):
+            def pre(module, args, kwargs):
+                kwargs["attention_mask"] = mask = mask_for(layer)
+                made.append(weakref.ref(mask))
+                if keep is not None:
+                    keep.append(mask)
+                if layer == 1:  # layer 0's mask, made for it alone, must not have been freed (its id reused)
+                    made.append(made[0]() is not None)
+                return args, kwargs
+            return pre
+
+        handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True)
+                   for i, layer in enumerate(model.model.layers)]
+        try:
+            with torch.no_grad():
+                return model(input_ids=ids).logits, made
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    freed, made = run(None)
+    assert made[2] is True
+    kept, _ = run([])
+    torch.testing.assert_close(freed, kept, rtol=0, atol=0)
+
+
+def test_record_paths_collects_its_own_threads_calls_only() -> None:
+    """A serving process runs several models in threads: a ``record_paths`` block in one thread collected the
+    attention calls of another thread's model too."""
+    import threading
+
+    from hf_posswap.core.paths import record_paths
+
+    alibi, t5 = swapped("llama", "alibi").eval(), swapped("llama", "t5").eval()
+    recording, other_done = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        recording.wait()
+        with torch.no_grad():
+            t5(input_ids=tokens(1, 40))
+        other_done.set()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    with record_paths() as paths, torch.no_grad():
+        recording.set()
+        other_done.wait()  # the other thread's forward ran while this block recorded
+        alibi(input_ids=tokens(1, 40))
+    worker.join()
+    assert set(paths) == {"fused-alibi"}, paths
+
