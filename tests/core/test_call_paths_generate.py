@@ -119,33 +119,39 @@ def test_self_extend_with_explicit_position_ids(family: str) -> None:
 
 # ---- schemes that read absolute positions: a padded row decodes as the row alone, whatever the cache ----------
 
-def absolute_position_readers() -> dict:
-    """Models whose numbers depend on a token's own position, not only on distances: FIRE's normaliser
-    psi(max(i, L)), Llama 4's query temperature (floor_scale 4: it steps within the test rows) and Self-Extend's
-    groups floor(pos / G)."""
-    self_extend = make_model("llama")
+def sharp_self_extend() -> torch.nn.Module:
+    model = make_model("llama")
     with torch.no_grad():  # sharper queries and keys, so that grouping moves the logits clearly
-        for name, parameter in self_extend.named_parameters():
+        for name, parameter in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 parameter.mul_(4)
-    temperature = make_model("llama")
-    return {
-        "llama-fire": swapped("llama", "fire"),
-        "gpt2-fire": swapped("gpt2", "fire"),
-        "llama-temperature": ps.swap(temperature, ps.llama4_irope(temperature, no_rope_layer_interval=2,
-                                                                  floor_scale=4)),
-        "llama-self-extend": ps.extend_context(self_extend, 2 * MAX_POSITIONS, "self_extend", neighbor_window=8,
-                                               group_size=4),
-    }
+    return ps.extend_context(model, 2 * MAX_POSITIONS, "self_extend", neighbor_window=8, group_size=4)
+
+
+def llama4_temperature() -> torch.nn.Module:
+    model = make_model("llama")
+    return ps.swap(model, ps.llama4_irope(model, no_rope_layer_interval=2, floor_scale=4))
+
+
+#: models whose numbers depend on a token's own position, not only on distances: FIRE's normaliser psi(max(i, L))
+#: (L = 8 in the test models), Llama 4's query temperature (floor_scale 4: it steps within the test rows) and
+#: Self-Extend's groups floor(pos / G)
+ABSOLUTE_POSITION_READERS = {
+    "llama-fire": lambda: swapped("llama", "fire"),
+    "llama-fire-eager": lambda: swapped("llama", "fire", attn="eager"),
+    "gpt2-fire": lambda: swapped("gpt2", "fire"),
+    "llama-temperature": llama4_temperature,
+    "llama-self-extend": sharp_self_extend,
+}
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("case", ["llama-fire", "gpt2-fire", "llama-temperature", "llama-self-extend"])
+@pytest.mark.parametrize("case", ABSOLUTE_POSITION_READERS)
 def test_a_padded_row_decodes_as_the_row_alone_when_positions_are_absolute(case: str, cache: str) -> None:
     """generate hands a static cache a 4-D mask it builds itself, beside padding-aware position ids: the padding
     is read from those, so each step's logits equal the row generated alone (seen 2.2e-2 off for the temperature
     and 2.7e-2 for Self-Extend when the static cache's rows counted their padding)."""
-    model = absolute_position_readers()[case].eval()
+    model = ABSOLUTE_POSITION_READERS[case]().eval()
     rows = [tokens(1, 24, seed=4)[0], tokens(1, 13, seed=5)[0]]
     batch, mask = torch.zeros(2, 24, dtype=torch.long), torch.zeros(2, 24, dtype=torch.long)
     for i, row in enumerate(rows):

@@ -164,27 +164,6 @@ def test_fire_gives_a_padded_row_the_bias_of_the_row_alone(family: str, attn: st
     torch.testing.assert_close(padded, alone, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize(("family", "attn"), FIRE_CASES[:3], ids=[f"{f}-{a}" for f, a in FIRE_CASES[:3]])
-def test_fire_generates_a_padded_batch_as_each_row_alone(family: str, attn: str, cache: str) -> None:
-    """Cached decoding of a left-padded batch: every step's logits equal the row generated alone (the cache's
-    slots, a static buffer's future ones included, placed from the row's first real token)."""
-    model = short_threshold_fire(family, attn)
-    rows = [tokens(1, 12, seed=4)[0], tokens(1, 5, seed=5)[0]]
-    batch = torch.zeros(2, 12, dtype=torch.long)
-    mask = torch.zeros(2, 12, dtype=torch.long)
-    for i, row in enumerate(rows):
-        batch[i, 12 - len(row):], mask[i, 12 - len(row):] = row, 1
-    options = {"max_new_tokens": 8, "do_sample": False, "output_logits": True, "return_dict_in_generate": True,
-               "pad_token_id": 0, "cache_implementation": cache}
-    together = model.generate(input_ids=batch, attention_mask=mask, **options)
-    for i, row in enumerate(rows):
-        alone = model.generate(input_ids=row[None], **options)
-        assert together.sequences[i, 12:].tolist() == alone.sequences[0, len(row):].tolist()
-        for step, (mine, own) in enumerate(zip(together.logits, alone.logits, strict=True)):
-            torch.testing.assert_close(mine[i], own[0], atol=1e-4, rtol=1e-4, msg=f"row {i} step {step}")
-
-
 @pytest.mark.parametrize("scheme", NEW_SCHEMES + ["alibi", "t5"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_a_float64_model_with_padding_stays_finite_in_eager_attention(family: str, scheme: str) -> None:
