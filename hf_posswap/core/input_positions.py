@@ -19,7 +19,7 @@ def explicit_positions(kwargs: dict[str, Any], query_offset: int, cache: Any) ->
     if position_ids is None:
         return None
     if query_offset != 0 or cache is not None:
-        _refuse_skips_beside_a_cache(position_ids)
+        _refuse_skips_beside_a_cache(position_ids, kwargs.get("attention_mask"))
         return None
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
@@ -32,22 +32,32 @@ def explicit_positions(kwargs: dict[str, Any], query_offset: int, cache: Any) ->
     return position_ids.expand(batch, -1)
 
 
-def _refuse_skips_beside_a_cache(position_ids: Any) -> None:
-    """With a KV cache, tokens are placed by their index in the cache (the cached keys keep no positions of their
-    own): ids that skip ahead within the forward would be ignored, so they are refused. Padding's ids (``generate``
-    gives pads 1 and the first real token 0) never step by more than 1."""
-    if not isinstance(position_ids, torch.Tensor) or position_ids.shape[-1] < 2:
+def _refuse_skips_beside_a_cache(position_ids: Any, mask: Any) -> None:
+    """With a KV cache, tokens are placed by their index in it (the cached keys keep no positions of their own):
+    ids that skip ahead within the forward would be ignored, so they are refused. With a 2-D mask over the tokens so
+    far, only the real tokens are compared with the mask's count of them (``generate``'s ids of a mask with a hole
+    are that count); without one, an id may not step past the next (padding's ids, 0 or 1, never do)."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.shape[-1] < 2 or torch.compiler.is_compiling():
         return
     ids = position_ids.reshape(-1, position_ids.shape[-1])  # [B or 1, q]
-    skips = (ids.diff(dim=-1) > 1).nonzero()  # [n, 2]: (row, column) where the next id skips ahead
-    if skips.numel():
-        row, column = skips[0].tolist()
-        raise InvalidConfigError(
-            f"position_ids skip from {int(ids[row, column])} to {int(ids[row, column + 1])} (row {row}) in a forward "
-            "with a KV cache: with a cache, hf_posswap places tokens by their index in it, so ids that skip "
-            "positions would be ignored. Run the forward without a cache (use_cache=False and no past_key_values) "
-            "to use them, or pass consecutive ids."
-        )
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] >= ids.shape[-1]:
+        real = mask[:, -ids.shape[-1]:].bool()  # [B, q]
+        counted = (mask.long().cumsum(-1) - 1)[:, -ids.shape[-1]:]  # [B, q]: the real tokens' order
+        offsets = torch.where(real, ids - counted, 0)
+        low = torch.where(real, offsets, offsets.new_tensor(torch.iinfo(torch.long).max)).amin(-1)
+        skips = (torch.where(real, offsets, low[:, None]) != low[:, None]) & real  # [B, q]
+        skips = skips[:, 1:]
+    else:
+        skips = ids.diff(dim=-1) > 1  # [B or 1, q - 1]: where the next id skips ahead
+    if not bool(skips.any()):
+        return
+    row, column = skips.nonzero()[0].tolist()
+    raise InvalidConfigError(
+        f"position_ids skip from {int(ids[row, column])} to {int(ids[row, column + 1])} (row {row}) in a forward with "
+        "a KV cache: with a cache, hf_posswap places tokens by their index in it, so ids that skip positions would "
+        "be ignored. Run the forward without a cache (use_cache=False and no past_key_values) to use them, or pass "
+        "consecutive ids."
+    )
 
 
 def _check_index_distances(position_ids: torch.Tensor, mask: torch.Tensor) -> None:
@@ -72,8 +82,9 @@ def row_shifts(kwargs: dict[str, Any], query_offset: int) -> torch.Tensor | None
     """Per-row offsets [B] of the tokens' positions from their indices, for a bias that reads the query's absolute
     position (FIRE): minus the row's leading padding, from a 2-D attention mask over the tokens so far; else, from
     position ids [B, q] given with another mask (``generate`` passes them beside the 4-D mask it builds for a static
-    cache), the last query's id minus its index (the last token of a left-padded row is real). None when no row is
-    shifted (or nothing tells)."""
+    cache), the last query's id minus its index, for rows whose ids are exactly their index so shifted (a
+    left-padded row, its pads at 0 or 1); other rows (right padding, packed sequences) keep their index. None when
+    no row is shifted (or nothing tells)."""
     reference = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     if reference is None:
         return None
@@ -83,7 +94,12 @@ def row_shifts(kwargs: dict[str, Any], query_offset: int) -> torch.Tensor | None
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] == query_offset + q_len:
         shift = -(mask.long().cumsum(-1) == 0).sum(-1)  # [B]: minus the pads before the row's first real token
     elif isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.shape[-1] == q_len:
-        shift = position_ids[:, -1].long() - (query_offset + q_len - 1)  # [B or 1]
+        ids = position_ids.long()
+        shift = ids[:, -1] - (query_offset + q_len - 1)  # [B or 1]
+        expected = torch.arange(query_offset, query_offset + q_len, device=ids.device) + shift[:, None]  # [B, q]
+        # a row whose ids are not its index shifted (right padding, packed sequences) keeps the index: shift 0
+        fits = torch.where(expected >= 0, ids == expected, (ids == 0) | (ids == 1)).all(-1)  # [B]
+        shift = torch.where(fits, shift, 0)
     else:
         return None
     return shift if bool(shift.any()) else None

@@ -13,16 +13,19 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 
 @contextlib.contextmanager
 def onloaded(positions: nn.Module | None) -> Iterator[None]:
     """Within the block, the weights of ``positions``' offloaded submodules are on their execution device."""
-    hooked = [] if positions is None else [
-        (module, hook) for module in positions.modules()
-        if (hook := getattr(module, "_hf_hook", None)) is not None and _offloads(hook)
-    ]
+    hooked = []
+    if positions is not None and not torch.compiler.is_compiling():  # a plain loop: dynamo traces through it whole
+        for module in positions.modules():
+            hook = getattr(module, "_hf_hook", None)
+            if hook is not None and _offloads(hook):
+                hooked.append((module, hook))
     if not hooked:
         yield
         return

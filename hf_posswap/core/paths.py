@@ -51,4 +51,4 @@ def record_paths() -> Iterator[list[str]]:
     try:
         yield entry[1]
     finally:
-        _recorders.remove(entry)
+        _recorders[:] = [kept for kept in _recorders if kept is not entry]  # by identity: equal empty lists abound

@@ -15,6 +15,7 @@ from .base import (
     FusedCall,
     ModelSpec,
     SchemeConfig,
+    exact_buffer,
     register_scheme,
     require_bool,
     spread,
@@ -54,20 +55,15 @@ class AlibiBias(BiasPositions):
             self.slopes = nn.Parameter(slopes)
         else:
             self.register_buffer("slopes", slopes)
-        self._exact: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # fixed slopes per device, dtype
 
     def exact_slopes(self) -> torch.Tensor:
         """The slopes the bias uses, float32 (float64 in a float64 model): trainable ones as trained; fixed ones as
-        Press et al.'s values, whatever a cast after the swap (``model.to(torch.bfloat16)``) rounded the stored
-        buffer to (bf16 moves them by up to 0.4 %: two logits at a distance of 2,047)."""
-        dtype = torch.float64 if self.slopes.dtype == torch.float64 else torch.float32
+        stored, except values that are Press et al.'s rounded by a cast after the swap (``model.to(torch.bfloat16)``
+        moves them by up to 0.4 %: two logits at a distance of 2,047), which get the exact ones
+        (:func:`~hf_posswap.schemes.base.exact_buffer`)."""
         if isinstance(self.slopes, nn.Parameter) or self.slopes.requires_grad:
-            return self.slopes.to(dtype)
-        key = (self.slopes.device, dtype)
-        found = self._exact.get(key)
-        if found is None:
-            found = self._exact[key] = alibi_slopes(self.slopes.shape[0], dtype).to(self.slopes.device)
-        return found
+            return self.slopes.to(torch.float64 if self.slopes.dtype == torch.float64 else torch.float32)
+        return exact_buffer(self, "slopes", lambda: alibi_slopes(self.slopes.shape[0], torch.float64))
 
     def forward(
         self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool, memo: dict | None = None

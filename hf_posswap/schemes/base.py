@@ -328,24 +328,26 @@ def pinned_id(memo: dict | None, tensor: Any) -> int | None:
 
 
 def exact_buffer(module: nn.Module, name: str, recompute: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``module``'s fixed buffer ``name`` (RoPE's frequencies, xPos's decay rates) in float32 (float64 when the buffer
-    is float64), with every value that is the exact one rounded to bfloat16 or float16 replaced by the exact one
-    (``recompute()``, made once per device). A cast after the swap (``model.to(torch.bfloat16)``) rounds the buffer
-    to 8 bits, and a checkpoint saved from such a model holds the rounded values even when reloaded in float32:
-    read as they are, they would move the angle of position p by p times the rounding (0.36 rad at 2,047). Values
-    changed on purpose (``inv_freq.mul_(0.5)``) are used as they are. Elementwise, so no device sync."""
+    """``module``'s fixed buffer ``name`` (RoPE's frequencies, xPos's decay rates, fixed ALiBi slopes) in float32
+    (float64 when the buffer is float64), with every value that is the exact one rounded to bfloat16, float16 or
+    float32 replaced by the exact one (``recompute()``, made once per device). A cast after the swap
+    (``model.to(torch.bfloat16)``) rounds the buffer to 8 bits, and a checkpoint saved from such a model holds the
+    rounded values even when reloaded in float32: read as they are, they would move the angle of position p by p
+    times the rounding (0.36 rad at 2,047). Values changed on purpose (``inv_freq.mul_(0.5)``) are used as they
+    are. Elementwise, so no device sync."""
     buffer = getattr(module, name)
     dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
     memo = module.__dict__.setdefault("_posswap_exact_buffers", {})
     key = (name, buffer.device, dtype)
     if key not in memo:
         exact = recompute().to(buffer.device, dtype)
-        memo[key] = exact, exact.to(torch.bfloat16).to(dtype), exact.to(torch.float16).to(dtype)
-    exact, as_bfloat16, as_float16 = memo[key]
+        memo[key] = exact, [exact.to(narrow).to(dtype) for narrow in (torch.bfloat16, torch.float16, torch.float32)]
+    exact, roundings = memo[key]
     stored = buffer.to(dtype)
     if stored.shape != exact.shape:
         return stored
-    return torch.where((stored == as_bfloat16) | (stored == as_float16), exact, stored)
+    rounded = (stored == roundings[0]) | (stored == roundings[1]) | (stored == roundings[2])
+    return torch.where(rounded, exact, stored)
 
 
 def bias_dtype(dtype: torch.dtype) -> torch.dtype:

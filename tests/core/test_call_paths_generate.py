@@ -198,3 +198,29 @@ def test_two_pass_attention_in_float64_stays_finite_with_padding(method: str, at
         alone = model(input_ids=ids[:, 6:]).logits[0]
     assert torch.isfinite(padded).all()
     torch.testing.assert_close(padded, alone, atol=1e-10, rtol=1e-10)
+
+
+def test_row_shifts_move_only_rows_whose_ids_are_their_index_shifted() -> None:
+    """Beside a 4-D mask (a static cache's), a row's shift is read from its position ids only where they are its
+    index shifted by the padding before it; a right-padded or packed row keeps its index (shifting those by their
+    last id put their real tokens below 0: 0.17 in FIRE's logits)."""
+    from hf_posswap.core.input_positions import row_shifts
+
+    ids = torch.tensor([[1, 1, 0, 1, 2],    # left-padded: pads at 1, then 0, 1, 2
+                        [0, 1, 2, 1, 1],    # right-padded (generate's pads at 1)
+                        [0, 1, 2, 0, 1],    # two packed sequences
+                        [0, 1, 2, 3, 4]])   # unpadded
+    kwargs = {"input_ids": torch.zeros(4, 5, dtype=torch.long), "position_ids": ids,
+              "attention_mask": torch.ones(4, 1, 5, 5, dtype=torch.bool)}
+    assert row_shifts(kwargs, 0).tolist() == [-2, 0, 0, 0]
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "fire"])
+def test_a_prompt_with_a_hole_in_its_mask_generates_with_a_cache(scheme: str) -> None:
+    """generate gives a mask with a hole ids that count its real tokens ([0, 1, 2, 0, 0, 3, ...]): no skip for the
+    refusal of skipping ids beside a cache, which read it as one (0 to 3) and refused the prompt."""
+    model = swapped("llama", scheme).eval()
+    ids = tokens(1, 12)
+    mask = torch.ones_like(ids)
+    mask[0, 3:5] = 0
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
