@@ -33,15 +33,19 @@ from ..families.base import FamilyAdapter, default_position_ids
 from ..schemes.two_pass import TwoPassSettings
 from ..transformers_internals import (
     CACHE_KWARG,
-    KNOWN_CACHE_KWARGS,
     attention_implementation,
     cache_length,
-    drift_error,
     find_cache,
-    find_cache_in_output,
     self_attention_layers,
 )
-from .input_positions import check_position_ids, explicit_positions, padded_positions, row_shifts
+from .forward_check import ForwardCheck, new_tokens
+from .input_positions import (
+    check_position_ids,
+    explicit_positions,
+    padded_positions,
+    reads_query_positions,
+    row_shifts,
+)
 from .offload import onloaded
 from .rotary_cache import MARKER, refuse_foreign_rotation, rotates_once
 
@@ -191,21 +195,6 @@ class PositionContext:
         return max(self.query_offset + q_len - kv_len, 0)
 
 
-def reads_query_positions(positions: nn.Module | None) -> bool:
-    """Whether a position module (a scheme, or a mix holding one) has a bias that reads the query's absolute
-    position (``BiasPositions.reads_query_positions``: FIRE)."""
-    if positions is None:
-        return False
-    found = positions.__dict__.get(_READS_QUERY_POSITIONS)
-    if found is None:  # looked up once per module: the modules a swap installs do not change
-        found = any(getattr(module, "reads_query_positions", False) for module in positions.modules())
-        positions.__dict__[_READS_QUERY_POSITIONS] = found
-    return found
-
-
-_READS_QUERY_POSITIONS = "_posswap_reads_query_positions"
-
-
 def _parameter_names(forward: Callable[..., Any]) -> tuple[str, ...]:
     """The parameter names of a model class's ``forward``, without ``self`` (looked up once per class). Under
     ``torch.compile`` they are read afresh: dynamo traces through a cache and warns that it did (once per process)."""
@@ -277,7 +266,7 @@ class PositionInputs:
         if self.feeds_attention:
             context = self._context(positions, kwargs, query_offset, cache, shard)
             kwargs[CONTEXT_KWARG] = context
-        return (), kwargs, ForwardCheck(cache is not None, _new_tokens(kwargs), context)
+        return (), kwargs, ForwardCheck(cache is not None, new_tokens(kwargs), context)
 
     def _context(
         self, positions: nn.Module | None, kwargs: dict[str, Any], query_offset: int, cache: Any, shard: Any
@@ -348,48 +337,6 @@ def _refuse_foreign_rotation_per_layer(cache: Any, positions: nn.Module | None, 
             f"this model's layer {index} ('{plan.kinds[index]}' part of a layer mix) needs them unrotated. Continue "
             f"the cache with the model that filled it, or start a new one ({CACHE_KWARG}=None)."
         )
-
-
-def _new_tokens(kwargs: dict[str, Any]) -> int | None:
-    """How many tokens a forward adds (None when neither input_ids nor inputs_embeds say)."""
-    for name in ("input_ids", "inputs_embeds"):
-        value = kwargs.get(name)
-        if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            return int(value.shape[1])
-    return None
-
-
-@dataclass(frozen=True)
-class ForwardCheck:
-    """What the position wrapper assumed about one forward, checked against what the model then did.
-
-    The wrapper places new tokens after the KV cache it finds among the forward's arguments, and passes the position
-    context to attention through transformers' keyword forwarding. A transformers release that renames the cache
-    argument, or stops forwarding keywords, would break either assumption without an error (wrong logits), so
-    both are checked after every forward: a model that returns a cache holding more tokens than this forward
-    added used a cache the wrapper did not see, and a context no attention call read was never applied.
-    """
-
-    cache_seen: bool
-    new_tokens: int | None
-    context: PositionContext | None
-
-    def verify(self, outputs: Any) -> None:
-        if self.context is not None and not self.context.reached_attention:
-            raise drift_error(
-                "the swapped model's attention layers never received hf_posswap's position context (transformers "
-                "no longer passes the model's extra keyword arguments down to the attention function), so the "
-                "position scheme was not applied."
-            )
-        if self.cache_seen or self.new_tokens is None:
-            return
-        cache = find_cache_in_output(outputs)
-        if cache is not None and (held := cache_length(cache)) != self.new_tokens:
-            raise drift_error(
-                f"the model continued a KV cache of {held - self.new_tokens} earlier tokens that hf_posswap did not "
-                f"find among its arguments (it looks for {' or '.join(KNOWN_CACHE_KWARGS)}), so the new tokens were "
-                "placed from position 0."
-            )
 
 
 class PositionForward:

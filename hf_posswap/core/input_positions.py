@@ -1,12 +1,14 @@
 """What the caller's inputs say about positions: the ``position_ids`` a caller passed (used by attention for a whole
 unpadded sequence, as position-skipping training such as PoSE needs), and the positions of a padded batch's real
-tokens. Read by the base model's ``forward`` wrapper (:mod:`.context`) before each forward."""
+tokens, and whether a position module reads absolute query positions at all. Read by the base model's
+``forward`` wrapper (:mod:`.context`) before each forward."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..errors import InvalidConfigError
 
@@ -25,11 +27,24 @@ def explicit_positions(kwargs: dict[str, Any], query_offset: int, cache: Any) ->
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
         _check_index_distances(position_ids, mask)
         return None
-    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
-        return None
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2) and _are_the_index(position_ids):
+        return None  # a mask of the caller's own (4-D) over plain ids: the index is the same, and keeps every path
     reference = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     batch = reference.shape[0] if reference is not None else position_ids.shape[0]
     return position_ids.expand(batch, -1)
+
+
+def _are_the_index(position_ids: Any) -> bool:
+    """Whether every row of ``position_ids`` [B or 1, q] is 0, 1, ..., q - 1. Ids that are not (sequences packed
+    into one row beside a block-diagonal 4-D mask, each counting from 0) are the positions a scheme that reads
+    absolute ones (FIRE's normaliser, the query temperature, Self-Extend's groups) needs; distances within a
+    segment are the same either way. Under ``torch.compile`` (no sync to tell): False, so the ids are used."""
+    if not isinstance(position_ids, torch.Tensor):
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    index = torch.arange(position_ids.shape[-1], device=position_ids.device)
+    return bool((position_ids == index).all())
 
 
 def _refuse_skips_beside_a_cache(position_ids: Any, mask: Any) -> None:
@@ -124,3 +139,19 @@ def check_position_ids(kwargs: dict[str, Any]) -> None:
             f"position_ids has shape {tuple(position_ids.shape)} but the input has {length} tokens per row; pass "
             f"position_ids of shape [batch, {length}] (or [1, {length}]), or leave them out."
         )
+
+
+#: where :func:`reads_query_positions` keeps its answer on a position module
+_READS_QUERY_POSITIONS = "_posswap_reads_query_positions"
+
+
+def reads_query_positions(positions: nn.Module | None) -> bool:
+    """Whether a position module (a scheme, or a mix holding one) has a bias that reads the query's absolute
+    position (``BiasPositions.reads_query_positions``: FIRE)."""
+    if positions is None:
+        return False
+    found = positions.__dict__.get(_READS_QUERY_POSITIONS)
+    if found is None:  # looked up once per module: the modules a swap installs do not change
+        found = any(getattr(module, "reads_query_positions", False) for module in positions.modules())
+        positions.__dict__[_READS_QUERY_POSITIONS] = found
+    return found

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from ..schemes.rope import apply_rotary
-from .context import PositionContext, reads_query_positions
+from .context import PositionContext
+from .input_positions import reads_query_positions
 from .ring_math import KeyBlock, QueryBlock
 from .rotary_cache import angles, rotate, scales_keys
 from .self_extend import far_positions

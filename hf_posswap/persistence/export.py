@@ -23,16 +23,16 @@ from .restore import REMOTE_MODULE
 REMOTE_FILE = f"{REMOTE_MODULE}.py"
 #: hf_posswap modules bundled into the remote file, in dependency order
 BUNDLED = (
-    "errors", "transformers_internals", "registry", "edits", "schemes/base", "schemes/rope_scaling",
-    "schemes/two_pass", "schemes/learned", "schemes/sinusoidal", "schemes/nope", "schemes/rope", "schemes/kept_rows",
-    "schemes/denormals", "schemes/fused_alibi", "schemes/alibi", "schemes/fused_t5_plan", "schemes/fused_t5",
-    "schemes/t5",
+    "errors", "transformers_internals", "registry", "edits", "schemes/base", "schemes/precision",
+    "schemes/rope_scaling", "schemes/two_pass", "schemes/learned", "schemes/sinusoidal", "schemes/nope", "schemes/rope",
+    "schemes/kept_rows", "schemes/denormals", "schemes/fused_alibi", "schemes/alibi", "schemes/fused_t5_plan",
+    "schemes/fused_t5", "schemes/t5",
     "schemes/kerple", "schemes/sandwich", "schemes/fire", "schemes/head_mix", "schemes/mix", "schemes/xpos",
     "schemes/proportional",
     "families/base", "families/gpt2", "families/bert", "families/llama", "families/gemma3",
     "families/phi3", "families/gpt_neox", "families/roberta", "core/state", "core/native", "core/rotation",
-    "core/rotary_cache", "core/input_positions", "core/offload", "core/context", "core/paths", "core/two_pass_fused",
-    "core/self_extend", "core/flex_bias", "core/attention",
+    "core/rotary_cache", "core/input_positions", "core/forward_check", "core/offload", "core/context", "core/paths",
+    "core/two_pass_fused", "core/self_extend", "core/flex_bias", "core/attention",
     "core/layer_plan", "core/swap", "core/learned_tables", "core/extend",
     "persistence/autoload", "persistence/restore",
 )

@@ -15,12 +15,12 @@ from .base import (
     FusedCall,
     ModelSpec,
     SchemeConfig,
-    exact_buffer,
     register_scheme,
     require_bool,
     spread,
 )
 from .fused_alibi import alibi_attention
+from .precision import exact_buffer
 
 
 def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -60,7 +60,7 @@ class AlibiBias(BiasPositions):
         """The slopes the bias uses, float32 (float64 in a float64 model): trainable ones as trained; fixed ones as
         stored, except values that are Press et al.'s rounded by a cast after the swap (``model.to(torch.bfloat16)``
         moves them by up to 0.4 %: two logits at a distance of 2,047), which get the exact ones
-        (:func:`~hf_posswap.schemes.base.exact_buffer`)."""
+        (:func:`~hf_posswap.schemes.precision.exact_buffer`)."""
         if isinstance(self.slopes, nn.Parameter) or self.slopes.requires_grad:
             return self.slopes.to(torch.float64 if self.slopes.dtype == torch.float64 else torch.float32)
         return exact_buffer(self, "slopes", lambda: alibi_slopes(self.slopes.shape[0], torch.float64))

@@ -46,25 +46,33 @@ class FireFunction(nn.Module):
         self.threshold_scale = nn.Parameter(torch.tensor(1.0))  # L = |threshold_scale * initial L|
         self.initial_threshold = float(init_threshold)  # from the config: nothing to save
 
+    def compute_dtype(self) -> torch.dtype:
+        """float64 for a model cast to float64, else float32 (whatever half precision the model runs in)."""
+        return torch.float64 if self.c.dtype == torch.float64 else torch.float32
+
     def scalars(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(c, L) as float32 scalars, L = |threshold_scale * initial L|; both keep their graph. (0-dim also while
-        DeepSpeed trains the parameters held as shape [1]: see hf_posswap.training.deepspeed_config.)"""
-        threshold = (self.threshold_scale.to(torch.float32).reshape(()) * self.initial_threshold).abs()
-        return self.c.to(torch.float32).reshape(()), threshold
+        """(c, L) as 0-dim tensors in :meth:`compute_dtype`, L = |threshold_scale * initial L|; both keep their
+        graph. (0-dim also while DeepSpeed trains the parameters held as shape [1]: see
+        hf_posswap.training.deepspeed_config.)"""
+        dtype = self.compute_dtype()
+        threshold = (self.threshold_scale.to(dtype).reshape(()) * self.initial_threshold).abs()
+        return self.c.to(dtype).reshape(()), threshold
 
     def normalized_distance(self, query_pos: torch.Tensor, key_pos: torch.Tensor, causal: bool) -> torch.Tensor:
-        """psi(i - j) / psi(max(i, L)): [..., q, kv] float32. Causal: keys after the query (masked anyway) read
-        distance 0. Bidirectional: the sign of i - j is kept, so f can tell keys before from keys after."""
-        query = query_pos.to(torch.float32)[..., :, None]  # [..., q, 1]
-        key = key_pos.to(torch.float32)[..., None, :]  # [..., 1, kv]
+        """psi(i - j) / psi(max(i, L)): [..., q, kv] in :meth:`compute_dtype`. Causal: keys after the query (masked
+        anyway) read distance 0. Bidirectional: the sign of i - j is kept, so f can tell keys before from keys
+        after."""
+        query = query_pos.to(self.compute_dtype())[..., :, None]  # [..., q, 1]
+        key = key_pos.to(self.compute_dtype())[..., None, :]  # [..., 1, kv]
         return fire_normalized(query, key, *self.scalars(), causal)
 
     def forward(self, query_pos: torch.Tensor, key_pos: torch.Tensor, causal: bool) -> torch.Tensor:
-        # -> [..., H, q, kv] float32, whatever dtype the model was cast to
+        # -> [..., H, q, kv] float32 whatever half precision the model was cast to (float64 in a float64 model)
+        dtype = self.compute_dtype()
         x = self.normalized_distance(query_pos, key_pos, causal)[..., None]  # [..., q, kv, 1]
         first, last = self.mlp[0], self.mlp[2]
-        hidden = torch.relu(x * first.weight.to(torch.float32)[:, 0] + first.bias.to(torch.float32))  # [..., W]
-        out = hidden @ last.weight.to(torch.float32).t() + last.bias.to(torch.float32)  # [..., q, kv, H]
+        hidden = torch.relu(x * first.weight.to(dtype)[:, 0] + first.bias.to(dtype))  # [..., W]
+        out = hidden @ last.weight.to(dtype).t() + last.bias.to(dtype)  # [..., q, kv, H]
         return out.movedim(-1, -3)
 
     def flex_bias(self, spec: FlexSpec) -> FlexBias | None:

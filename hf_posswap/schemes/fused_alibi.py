@@ -38,9 +38,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .base import HALF_PRECISION, FusedCall, bias_dtype, pinned_id
+from .base import FusedCall, pinned_id
 from .denormals import sdpa_flushing_denormals
 from .kept_rows import kept_row, row_copy
+from .precision import HALF_PRECISION, bias_dtype
 
 #: dtypes every fused form runs in on any device; HALF_PRECISION ones run on CPU (module docstring)
 FUSED_DTYPES = (torch.float32, torch.float64)

@@ -55,10 +55,14 @@ class KerpleBias(BiasPositions):
         else:
             self.raw_r2 = nn.Parameter(torch.logit(r2 / KERPLE_MAX_POWER))
 
+    def compute_dtype(self) -> torch.dtype:
+        """float64 for a model cast to float64, else float32 (whatever half precision the model runs in)."""
+        return torch.float64 if self.raw_r1.dtype == torch.float64 else torch.float32
+
     def coefficients(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(r1, r2), each [H] float32, computed from the stored parameters."""
-        r1 = self.raw_r1.to(torch.float32).exp()
-        raw_r2 = self.raw_r2.to(torch.float32)
+        """(r1, r2), each [H] in :meth:`compute_dtype`, computed from the stored parameters."""
+        r1 = self.raw_r1.to(self.compute_dtype()).exp()
+        raw_r2 = self.raw_r2.to(self.compute_dtype())
         r2 = raw_r2.exp() if self.variant == "log" else KERPLE_MAX_POWER * torch.sigmoid(raw_r2)
         return r1, r2
 
@@ -66,7 +70,7 @@ class KerpleBias(BiasPositions):
         self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer_idx: int, causal: bool, memo: dict | None = None
     ) -> torch.Tensor:
         # query_pos [q], key_pos [kv] -> [1, H, q, kv]  (or [B, q], [B, kv] -> [B, H, q, kv])
-        distance = (query_pos[..., :, None] - key_pos[..., None, :]).to(torch.float32)  # i - j: [..., q, kv]
+        distance = (query_pos[..., :, None] - key_pos[..., None, :]).to(self.compute_dtype())  # i - j: [..., q, kv]
         # causal: keys after the query are masked anyway; 0 keeps their (discarded) values finite
         distance = distance.clamp(min=0) if causal else distance.abs()
         distance = distance.unsqueeze(-3)  # [..., 1, q, kv]

@@ -17,12 +17,12 @@ from .base import (
     ModelSpec,
     RotaryPositions,
     SchemeConfig,
-    exact_buffer,
     register_scheme,
     require_fraction,
     require_frequency_base,
     require_positive,
 )
+from .precision import exact_buffer
 from .rope_scaling import LongRopeScaling, RopeScaling, scaling_from_dict
 
 DEFAULT_ROPE_THETA = 10_000.0

@@ -13,14 +13,12 @@ from torch import nn
 
 from ..errors import InvalidConfigError
 from .base import (
-    HALF_PRECISION,
     BiasPositions,
     FlexBias,
     FlexSpec,
     FusedCall,
     ModelSpec,
     SchemeConfig,
-    bias_dtype,
     pinned_id,
     register_scheme,
     require_bool,
@@ -30,6 +28,7 @@ from .base import (
 from .fused_t5 import fused_t5_attention
 from .fused_t5_plan import Plan, plan_attention, saturation_distance
 from .kept_rows import kept_row, row_copy, row_slice
+from .precision import HALF_PRECISION, bias_dtype
 
 
 def relative_position_bucket(

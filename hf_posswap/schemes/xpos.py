@@ -32,11 +32,11 @@ from .base import (
     ModelSpec,
     RotaryPositions,
     SchemeConfig,
-    exact_buffer,
     register_scheme,
     require_frequency_base,
     require_positive,
 )
+from .precision import exact_buffer
 from .rope import DEFAULT_ROPE_THETA, default_inv_freq
 
 #: the paper's gamma in zeta_i = (2i / d + gamma) / (1 + gamma)

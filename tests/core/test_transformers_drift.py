@@ -21,6 +21,7 @@ from packaging.version import Version
 import hf_posswap.transformers_internals as internals
 from hf_posswap.core import attention as attention_module
 from hf_posswap.core import context as context_module
+from hf_posswap.core.forward_check import ForwardCheck
 from hf_posswap.transformers_internals import TransformersDriftError, UntestedTransformersWarning
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -102,7 +103,7 @@ def test_without_the_guards_a_blind_hook_decodes_wrong(monkeypatch, family, sche
         expected = model(input_ids=prompt()).logits[:, -1]
     torch.testing.assert_close(continued_logits(model), expected, rtol=0, atol=1e-5)
     blind_hook(monkeypatch)
-    monkeypatch.setattr(context_module.ForwardCheck, "verify", lambda self, outputs: None)
+    monkeypatch.setattr(ForwardCheck, "verify", lambda self, outputs: None)
     monkeypatch.setattr(attention_module, "_refuse_unseen_cache", lambda *args: None)
     assert (continued_logits(model) - expected).abs().max() > 1e-3
 

@@ -13,6 +13,7 @@ import hf_posswap as ps
 from hf_posswap.cli.main import main
 from hf_posswap.core import attention as attention_module
 from hf_posswap.core import context as context_module
+from hf_posswap.core.forward_check import ForwardCheck
 from hf_posswap.evaluation import self_check as self_check_module
 from hf_posswap.evaluation.self_check import CHECKS, FAMILIES, self_check
 
@@ -57,7 +58,7 @@ def test_a_blind_hook_fails_the_cached_checks_with_the_drift_error(monkeypatch) 
 
 def test_a_blind_hook_without_the_guards_fails_on_the_numbers(monkeypatch) -> None:
     blind_hook(monkeypatch)
-    monkeypatch.setattr(context_module.ForwardCheck, "verify", lambda self, outputs: None)
+    monkeypatch.setattr(ForwardCheck, "verify", lambda self, outputs: None)
     monkeypatch.setattr(attention_module, "_refuse_unseen_cache", lambda *args: None)
     report = self_check(families=("llama",))
     failed = {(r.kind, r.check) for r in report.failures}

@@ -18,7 +18,7 @@ from conftest import (
 from test_checkpoints import logits
 
 import hf_posswap as ps
-from hf_posswap.core.context import reads_query_positions
+from hf_posswap.core.input_positions import reads_query_positions
 from hf_posswap.schemes import BiasPositions
 
 MATRIX = [pytest.param(f, s, id=f"{f}-{s}") for f in FAMILIES for s in SCHEMES]
@@ -232,6 +232,46 @@ def test_explicit_position_ids_reach_attention(family: str, scheme: str) -> None
     torch.testing.assert_close(together[1:], alone, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(together[:1], default[:1], atol=1e-5, rtol=1e-4)
     assert (alone - default[1:]).abs().max() > 1e-6  # the skip is seen (tiny random BERT: small effect)
+
+
+def packed_logits(
+    model: torch.nn.Module, lengths: tuple[int, ...] = (9, 15)
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Sequences packed into one row, as training packs them: a block-diagonal causal 4-D mask and position ids
+    counting from 0 in each sequence. Returns (packed logits, the sequence's logits alone) per sequence."""
+    sequences = [tokens(1, length, seed=index + 1) for index, length in enumerate(lengths)]
+    segment = torch.cat([torch.full((length,), index) for index, length in enumerate(lengths)])  # [T]
+    causal = torch.ones(len(segment), len(segment), dtype=torch.bool).tril()
+    mask = ((segment[:, None] == segment[None, :]) & causal)[None, None]  # [1, 1, T, T]
+    position_ids = torch.cat([torch.arange(length) for length in lengths])[None]
+    with torch.no_grad():
+        packed = model(input_ids=torch.cat(sequences, 1), attention_mask=mask, position_ids=position_ids).logits
+        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        return [(packed[:, starts[i]:starts[i + 1]], model(input_ids=sequence).logits)
+                for i, sequence in enumerate(sequences)]
+
+
+@pytest.mark.parametrize(("family", "scheme"), CAUSAL_MATRIX)
+def test_packed_sequences_equal_each_sequence_alone(family: str, scheme: str) -> None:
+    """Packed sequences beside a block-diagonal 4-D mask are placed by their position ids: each one's logits equal
+    the sequence alone. Distances within a sequence are the same by index, but FIRE's normaliser psi(max(i, L))
+    reads the query's own position, which the index would count from the first sequence (0.04 in its logits)."""
+    for packed, alone in packed_logits(swapped(family, scheme)):
+        torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama4-temperature", "self-extend"])
+def test_packed_sequences_equal_each_alone_with_absolute_position_parts(name: str) -> None:
+    """Llama 4's query temperature and Self-Extend's groups floor(pos / G) read absolute positions too (3e-4 and
+    1e-3 in the second sequence's logits when read by index); the first sequence has an odd length so that Self-Extend's
+    groups would split differently."""
+    model = make_model("llama")
+    if name == "self-extend":
+        ps.swap(model, ps.RopeConfig(scaling=ps.SelfExtend(group_size=2, neighbor_window=4)))
+    else:
+        ps.swap(model, ps.llama4_irope(model, no_rope_layer_interval=2, floor_scale=4))
+    for packed, alone in packed_logits(model):
+        torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-4)
 
 
 #: swaps placed by hf_posswap's attention (natively carried RoPE honours any position ids through transformers)

@@ -35,8 +35,9 @@ def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
 
 def peer_kerple(bias_p: torch.Tensor, bias_a: torch.Tensor, n: int, variant: str) -> torch.Tensor:
     """chijames/KERPLE, megatron/mpu/layers.py, ParallelKerpleLog.forward / ParallelKerplePower.forward (causal):
-    diff = tril(i - j); log: -bias_p * log(1 + bias_a * diff); power: -bias_a * diff ** bias_p. [H, n, n]"""
-    diff = torch.tril(torch.arange(n).view(n, 1).repeat(1, n) + torch.arange(0, -n, -1)).to(torch.float32)
+    diff = tril(i - j); log: -bias_p * log(1 + bias_a * diff); power: -bias_a * diff ** bias_p. [H, n, n], in the
+    parameters' dtype"""
+    diff = torch.tril(torch.arange(n).view(n, 1).repeat(1, n) + torch.arange(0, -n, -1)).to(bias_p.dtype)
     p, a = bias_p[:, None, None], bias_a[:, None, None]
     return -p * torch.log(1 + a * diff) if variant == "log" else -diff.pow(p) * a
 
@@ -57,10 +58,11 @@ def peer_sandwich(n: int, hidden: int, heads: int) -> torch.Tensor:
 def peer_fire(mlp: torch.nn.Module, c: float, init_l: float, l_multiplier: float, n: int) -> torch.Tensor:
     """mcleish7/arithmetic, cramming/architectures/embeddings.py, FIRE.forward (the paper's appendix pseudocode;
     eval mode, positions 0..n-1): x = log(|c (i-j)| + 1) / (log(|c max(i, |L_mult L|)| + 1) + 1e-6), bias = mlp(x).
-    [H, n, n]"""
-    positions = torch.arange(n, dtype=torch.float32)
+    [H, n, n], in the MLP's dtype"""
+    dtype = mlp[0].weight.dtype
+    positions = torch.arange(n, dtype=dtype)
     relative = positions[:, None] - positions[None, :]
-    threshold = torch.abs(torch.tensor(l_multiplier * init_l))
+    threshold = torch.abs(torch.tensor(l_multiplier * init_l, dtype=dtype))
     normalizer = torch.max(positions, threshold)[:, None]
     relative = torch.log(torch.abs(c * relative) + 1)
     normalizer = torch.log(torch.abs(c * normalizer) + 1)
@@ -121,6 +123,29 @@ def test_fire_equals_the_papers_pseudocode() -> None:
         expected = peer_fire(function.mlp, 0.3, 12.0, 1.5, 40)
     lower = torch.ones(40, 40, dtype=torch.bool).tril()  # the peer is causal: keys at or before the query
     torch.testing.assert_close(bias[:, lower], expected[:, lower], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["kerple-log", "kerple-power", "fire"])
+def test_a_float64_module_computes_its_bias_in_float64(scheme: str) -> None:
+    """A model cast to float64 gets float64 biases (the peers run in float64 too): a float32 bias there was 1e-8
+    off, the precision a float64 model is chosen for."""
+    torch.manual_seed(0)
+    n = 300
+    lower = torch.ones(n, n, dtype=torch.bool).tril()
+    if scheme == "fire":
+        module = FireConfig(init_c=0.3, init_threshold=12.0).build(make_spec()).double()
+        function = module.functions[0]
+        with torch.no_grad():
+            for param in function.mlp.parameters():
+                param.copy_(torch.randn_like(param))
+            expected = peer_fire(function.mlp, function.c.item(), 12.0, 1.0, n)  # c: float32's 0.3, made float64
+    else:
+        module = KerpleConfig(variant=scheme.removeprefix("kerple-")).build(make_spec()).double()
+        expected = peer_kerple(*kerple_peer_parameters(module), n, module.variant)
+    with torch.no_grad():
+        bias = module(torch.arange(n), torch.arange(n), 0, True)[0]
+    assert bias.dtype == torch.float64
+    torch.testing.assert_close(bias[:, lower], expected[:, lower], atol=1e-12, rtol=1e-12)
 
 
 def test_fire_starts_at_zero_and_tells_directions_apart_in_encoders() -> None:
