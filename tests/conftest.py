@@ -264,6 +264,8 @@ FAST_SUBSET = {
     "test_matrix.py::test_output_attentions_include_the_scheme": {"gpt2-rope", "bert-t5", "llama-alibi"},
     "test_matrix.py::test_explicit_position_ids_reach_attention": {"bert-rope", "llama-t5"},
     "test_matrix.py::test_packed_sequences_equal_each_sequence_alone": {"llama-fire", "gpt2-alibi", "phi3-t5"},
+    "test_matrix.py::test_position_ids_that_restart_never_show_a_query_later_tokens": {
+        "sdpa-llama-alibi", "sdpa-gpt2-t5", "eager-llama-fire", "sdpa-gemma3_text-kerple"},
     "test_call_paths_forward.py::test_every_call_path_runs_the_scheme": DIAGONAL,
     "test_call_paths_generate.py::test_cached_generation_equals_uncached_for_every_scheme": {"llama-alibi-beams"},
     "test_call_paths_generate.py::test_cached_generation_equals_uncached_past_the_original_length": {

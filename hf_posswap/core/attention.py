@@ -158,21 +158,22 @@ def dense_bias_mask(
     if merged is None:
         bias = scheme(query_pos, key_pos, layer_idx, causal, context.memo)  # [1 or B, H, q, kv]
         allowed = None
-        if causal and not _every_key_visible(context, query.shape[2], key.shape[2], query_pos):
-            allowed = key_pos[..., None, :] <= query_pos[..., :, None]  # [q, kv] or [B, q, kv]
-            if allowed.dim() == 3:
-                allowed = allowed[:, None]  # [B, 1, q, kv]
+        if causal and not _every_key_visible(context, query.shape[2], key.shape[2]):
+            # by token order, not by the positions: ids that restart (sequences packed in a row without a mask
+            # between them) would otherwise let a query see the later tokens whose ids are smaller
+            query_index, key_index = context.token_indices(query.shape[2], key.shape[2], query.device)
+            allowed = key_index[None, :] <= query_index[:, None]  # [q, kv]
         merged = merge_bias_and_mask(bias, attention_mask, allowed, query.dtype)
         if not merged.requires_grad:
             context.memo[memo_key] = merged
     return merged
 
 
-def _every_key_visible(context: PositionContext, q_len: int, kv_len: int, query_pos: torch.Tensor) -> bool:
-    """Whether every key is at or before every query, known without looking at a tensor: index positions whose
-    last key is no later than the first query (a decoding step after a dynamic cache: its causal mask is all
-    True, and building it costs two ops a step)."""
-    return query_pos.dim() == 1 and context.key_start(q_len, kv_len) + kv_len - 1 <= context.query_offset
+def _every_key_visible(context: PositionContext, q_len: int, kv_len: int) -> bool:
+    """Whether every key is at or before every query in token order, known without looking at a tensor: the last
+    key is no later than the first query (a decoding step after a dynamic cache: its causal mask is all True, and
+    building it costs two ops a step)."""
+    return context.key_start(q_len, kv_len) + kv_len - 1 <= context.query_offset
 
 
 def head_mix_inputs(

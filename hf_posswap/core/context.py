@@ -40,6 +40,7 @@ from ..transformers_internals import (
 )
 from .forward_check import ForwardCheck, new_tokens
 from .input_positions import (
+    check_attention_mask,
     check_position_ids,
     explicit_positions,
     padded_positions,
@@ -163,6 +164,11 @@ class PositionContext:
         once per forward (every layer asks for the same ones; callers must not change them in place)."""
         if self.row_positions is not None and self.row_positions.shape[-1] == q_len == kv_len:
             return self.row_positions, self.row_positions
+        return self.token_indices(q_len, kv_len, device)
+
+    def token_indices(self, q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens' indices in the sequence, query [q] and key [kv] (cache offset + index): the order causality
+        follows, whatever positions a scheme reads (position ids restarting in packed sequences, say)."""
         memo_key = ("positions", q_len, kv_len, device)
         found = self.memo.get(memo_key)
         if found is None:
@@ -250,6 +256,7 @@ class PositionInputs:
         if self.feeds_attention:
             self._check_attention_implementation(base)
         check_position_ids(kwargs)
+        check_attention_mask(kwargs)
         cache = find_cache(kwargs, f"{type(base).__name__}.forward")
         shard = self.ring.prepare(kwargs, cache) if self.ring is not None else None
         # tokens before this forward: the cache's length, or the shard's global start under context parallelism
@@ -264,14 +271,20 @@ class PositionInputs:
             self._add_absolute(base, positions, kwargs, query_offset)
         context = None
         if self.feeds_attention:
-            context = self._context(positions, kwargs, query_offset, cache, shard)
+            context = self._context(base, positions, kwargs, query_offset, cache, shard)
             kwargs[CONTEXT_KWARG] = context
         return (), kwargs, ForwardCheck(cache is not None, new_tokens(kwargs), context)
 
     def _context(
-        self, positions: nn.Module | None, kwargs: dict[str, Any], query_offset: int, cache: Any, shard: Any
+        self, base: nn.Module, positions: nn.Module | None, kwargs: dict[str, Any], query_offset: int, cache: Any,
+        shard: Any
     ) -> PositionContext:
         """The position context every attention call of this forward reads."""
+        # under context parallelism the shard carries the whole sequence's position ids (RingShard.explicit)
+        row_positions = None if shard is not None else explicit_positions(kwargs, query_offset, cache)
+        first_id = self.adapter.first_position_id(base)
+        if row_positions is not None and first_id:  # RoBERTa's numbering: a sequence's first token at 0
+            row_positions = (row_positions - first_id).clamp(min=0)
         needs_padded = self.two_pass is not None or (self.layers is not None and self.layers.needs_padded_positions)
         reads_absolute = reads_query_positions(positions)
         return PositionContext(
@@ -281,8 +294,7 @@ class PositionInputs:
             self.adapter.is_self_attention,
             self.layer_shared,
             self.two_pass,
-            # under context parallelism the shard carries the whole sequence's position ids (RingShard.explicit)
-            row_positions=None if shard is not None else explicit_positions(kwargs, query_offset, cache),
+            row_positions=row_positions,
             padded_positions=padded_positions(kwargs.get("attention_mask")) if needs_padded else None,
             row_shift=row_shifts(kwargs, query_offset) if shard is None and (needs_padded or reads_absolute) else None,
             cache=cache,

@@ -5,11 +5,12 @@ per layer call at 32k tokens and 32 heads in bf16).
 Each bias scheme gives its bias as an elementwise function of (head, query position, key position)
 (:meth:`~hf_posswap.schemes.base.BiasPositions.flex_bias`); this module wraps it into a ``score_mod`` that reads the
 positions (index positions: first position + index; explicit per-row positions [B, q]: gathered by batch row), and
-builds the ``BlockMask`` from the positions (keys at or before the query, for causal attention without a mask), or
-from transformers' bool mask (padding, sliding windows), or none (bidirectional attention without a mask).
+builds the ``BlockMask`` from token order (keys at or before the query, for causal attention without a mask; the
+positions a bias reads may restart, as packed sequences' ids do), or from transformers' bool mask (padding, sliding
+windows), or none (bidirectional attention without a mask).
 
 The block mask is made from block summaries, never from a ``[q, kv]`` evaluation of the mask function: for
-positions, the least and greatest position of each block of 128 queries and keys say whether a block is fully
+token order, the least and greatest index of each block of 128 queries and keys say whether a block is fully
 visible (its latest key at or before its earliest query), partly visible, or hidden; for a mask tensor, ``any`` and
 ``all`` over each block. It is made once per forward (``memo``) and shared by every layer.
 
@@ -279,13 +280,18 @@ def _make_block_mask(call: FusedCall, q_len: int, kv_len: int) -> Any:
         return block_mask_of(any_visible, all_visible, tensor_mask, q_len, kv_len)
     if not call.causal:
         return None
-    query_at, key_at = position_readers(call)
+    # causality by token order, not by the positions the bias reads (ids that restart, as packed sequences' do,
+    # would let a query see later tokens): key j is in query i's past when j <= i + lag. Explicit per-row positions
+    # come without a cache (the queries are the keys) or shifted per row (the keys end at the last query)
+    lag = -call.first_relative() if call.query_pos.dim() == 1 else kv_len - q_len
 
     def causal_mask(batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor,
                     kv_idx: torch.Tensor) -> torch.Tensor:
-        return key_at(batch, kv_idx) <= query_at(batch, q_idx)
+        return kv_idx <= q_idx + lag
 
-    any_visible, all_visible = causal_block_summary(call.query_pos, call.key_pos)
+    device = call.query.device
+    query_index = torch.arange(q_len, device=device) + lag  # [q], in key index units
+    any_visible, all_visible = causal_block_summary(query_index, torch.arange(kv_len, device=device))
     return block_mask_of(any_visible, all_visible, causal_mask, q_len, kv_len)
 
 

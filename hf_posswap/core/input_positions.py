@@ -51,7 +51,8 @@ def _refuse_skips_beside_a_cache(position_ids: Any, mask: Any) -> None:
     """With a KV cache, tokens are placed by their index in it (the cached keys keep no positions of their own):
     ids that skip ahead within the forward would be ignored, so they are refused. With a 2-D mask over the tokens so
     far, only the real tokens are compared with the mask's count of them (``generate``'s ids of a mask with a hole
-    are that count); without one, an id may not step past the next (padding's ids, 0 or 1, never do)."""
+    are that count); without one, an id may not step past the next, nor back to an id above 1 (padding's ids, 0 or
+    1, are the only ones that step back: a left-padded row's first real token, the pads of a right-padded row)."""
     if not isinstance(position_ids, torch.Tensor) or position_ids.shape[-1] < 2 or torch.compiler.is_compiling():
         return
     ids = position_ids.reshape(-1, position_ids.shape[-1])  # [B or 1, q]
@@ -62,16 +63,17 @@ def _refuse_skips_beside_a_cache(position_ids: Any, mask: Any) -> None:
         low = torch.where(real, offsets, offsets.new_tensor(torch.iinfo(torch.long).max)).amin(-1)
         skips = (torch.where(real, offsets, low[:, None]) != low[:, None]) & real  # [B, q]
         skips = skips[:, 1:]
-    else:
-        skips = ids.diff(dim=-1) > 1  # [B or 1, q - 1]: where the next id skips ahead
+    else:  # where the next id skips ahead, or goes back to one that is no padding id (a tree of drafts' ids)
+        steps = ids.diff(dim=-1)  # [B or 1, q - 1]
+        skips = (steps > 1) | ((steps < 0) & (ids[:, 1:] > 1))
     if not bool(skips.any()):
         return
     row, column = skips.nonzero()[0].tolist()
     raise InvalidConfigError(
-        f"position_ids skip from {int(ids[row, column])} to {int(ids[row, column + 1])} (row {row}) in a forward with "
-        "a KV cache: with a cache, hf_posswap places tokens by their index in it, so ids that skip positions would "
-        "be ignored. Run the forward without a cache (use_cache=False and no past_key_values) to use them, or pass "
-        "consecutive ids."
+        f"position_ids jump from {int(ids[row, column])} to {int(ids[row, column + 1])} (row {row}) in a forward with "
+        "a KV cache: with a cache, hf_posswap places tokens by their index in it, so ids that skip or repeat "
+        "positions would be ignored. Run the forward without a cache (use_cache=False and no past_key_values) to use "
+        "them, or pass consecutive ids."
     )
 
 
@@ -138,6 +140,20 @@ def check_position_ids(kwargs: dict[str, Any]) -> None:
         raise InvalidConfigError(
             f"position_ids has shape {tuple(position_ids.shape)} but the input has {length} tokens per row; pass "
             f"position_ids of shape [batch, {length}] (or [1, {length}]), or leave them out."
+        )
+
+
+def check_attention_mask(kwargs: dict[str, Any]) -> None:
+    """A 4-D attention mask the caller built is bool (True: attend) or float (added to the logits): an integer one
+    of 0s and 1s would be added as it is (1 for every visible key, 0 for the hidden ones) and hide nothing."""
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise InvalidConfigError(
+            f"attention_mask is a 4-D {mask.dtype} tensor; a 4-D mask is used as it is given, so it must be bool "
+            "(True where a query may attend) or float (0 there, a large negative number elsewhere). Pass "
+            "attention_mask.bool() for a mask of 1s and 0s."
         )
 
 

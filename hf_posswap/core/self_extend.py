@@ -194,6 +194,9 @@ class _Call:
     scaling: float
     dropout: float
     causal: bool
+    #: the first query's token index minus the first key's (the cache offset minus the key start): key j is in
+    #: query i's past when j - i <= index_lag, the order causality follows whatever the positions
+    index_lag: int = 0
 
     def logits(self, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """query [B, H, c, D] · keys [B, Hkv, n, D] -> [B, H, c, n], grouped-query heads without repeating keys."""
@@ -261,17 +264,21 @@ def _prepare(
         scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
         dropout=dropout,
         causal=bool(getattr(module, "is_causal", True)),
+        index_lag=context.query_offset - context.key_start(query.shape[2], key.shape[2]),
     )
 
 
 def _attend(call: _Call, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """One query chunk: output [B, H, c, Dv] and weights [B, H, c, end] over the first ``end`` keys."""
     distance = (call.query_rows[:, rows, None] - call.key_rows[:, None, :])[:, None]  # [1 or B, 1, c, kv]
-    end = _visible_end(call, distance)
-    distance = distance[..., :end]
+    # token order, for causality: >= 0 where the key is in the query's past (positions may restart: packed rows)
+    query_index = torch.arange(rows.start, rows.stop, device=distance.device) + call.index_lag  # [c]
+    order = query_index[:, None] - torch.arange(distance.shape[-1], device=distance.device)  # [c, kv]
+    end = _visible_end(call, order)
+    distance, order = distance[..., :end], order[:, :end]
     use_grouped = _grouped_pairs(call, distance, call.query_rows[:, rows])
     scores = _scores(call, rows, use_grouped)
-    scores = _masked(call, scores, distance, rows)
+    scores = _masked(call, scores, order, rows)
     # float32 at least, float64 for a float64 model (float32 reads float64's lowest as -inf: NaN on padded rows)
     weights = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
     weights = weights.to(call.query.dtype)
@@ -284,16 +291,17 @@ def _attend(call: _Call, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
     return output, weights
 
 
-def _visible_end(call: _Call, distance: torch.Tensor) -> int:
-    """Keys needed by the chunk: in a causal call without a mask, keys after every query of the chunk get weight
-    exactly 0, so they are skipped (only when each query sees at least one key, so no row's softmax changes)."""
-    kv_len = distance.shape[-1]
+def _visible_end(call: _Call, order: torch.Tensor) -> int:
+    """Keys needed by the chunk: in a causal call without a mask, keys after every query of the chunk (in token
+    ``order`` [c, kv]) get weight exactly 0, so they are skipped (only when each query sees at least one key, so no
+    row's softmax changes)."""
+    kv_len = order.shape[-1]
     if not call.causal or call.attention_mask is not None:
         return kv_len
-    visible = distance >= 0
+    visible = order >= 0
     if not bool(visible.any(-1).all()):
         return kv_len
-    seen = visible.flatten(0, 2).any(0)  # [kv]
+    seen = visible.any(0)  # [kv]
     return int(seen.nonzero().max()) + 1
 
 
@@ -337,12 +345,13 @@ def _scores(call: _Call, rows: slice, use_grouped: torch.Tensor) -> torch.Tensor
     return torch.cat((call.logits(far_query, call.far_keys[:, :, :split]), mixed), dim=-1)
 
 
-def _masked(call: _Call, scores: torch.Tensor, distance: torch.Tensor, rows: slice) -> torch.Tensor:
-    """The attention mask (bool or additive float) of the chunk's rows, or causality from the positions."""
+def _masked(call: _Call, scores: torch.Tensor, order: torch.Tensor, rows: slice) -> torch.Tensor:
+    """The attention mask (bool or additive float) of the chunk's rows, or causality from the token ``order``
+    [c, kv] (key in the query's past where >= 0)."""
     lowest = torch.finfo(scores.dtype).min
     mask = call.attention_mask
     if mask is None:
-        return scores.masked_fill_(distance < 0, lowest) if call.causal else scores
+        return scores.masked_fill_(order < 0, lowest) if call.causal else scores
     mask = mask[..., : scores.shape[-1]]
     if mask.shape[-2] != 1:
         mask = mask[..., rows, :]

@@ -139,6 +139,11 @@ class FamilyAdapter:
         ``combine="concat"``) when the caller passed none; ``None``: the default ``offset .. offset + L - 1``."""
         return None
 
+    def first_position_id(self, base: nn.Module) -> int:
+        """The position id this family numbers a sequence's first token with (RoBERTa: ``padding_idx + 1``).
+        Schemes inside attention read explicit ``position_ids`` counted from 0, as a sequence alone is placed."""
+        return 0
+
     def prepare_inputs(self, base: nn.Module, kwargs: dict[str, Any], query_offset: int) -> None:
         """Family fix-ups to the base model's forward kwargs, run by the position wrapper before every forward."""
 

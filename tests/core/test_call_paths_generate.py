@@ -167,20 +167,30 @@ def test_a_padded_row_decodes_as_the_row_alone_when_positions_are_absolute(case:
 
 @pytest.mark.parametrize("scheme", ["alibi", "rope", "t5", "fire"])
 def test_position_ids_that_skip_beside_a_cache_are_refused(scheme: str) -> None:
-    """With a cache, tokens are placed by their index in it: ids that jump (PoSE's) were silently ignored there
-    (alibi 0.14 off the uncached forward that honours them). Consecutive ids, and generate's padding ids, still
-    run."""
+    """With a cache, tokens are placed by their index in it: ids that jump (PoSE's) or go back (a tree of drafts)
+    were silently ignored there (alibi 0.14 off the uncached forward that honours them). Consecutive ids, and
+    generate's padding ids, still run."""
     from transformers import DynamicCache
 
     model = swapped("gpt2" if scheme == "rope" else "llama", scheme).eval()
     input_ids = tokens(1, 16)
     jumping = torch.cat([torch.arange(8), torch.arange(8) + 20])[None]
-    with pytest.raises(ps.InvalidConfigError, match=r"position_ids skip from 7 to 20 \(row 0\) .*use_cache=False"):
+    with pytest.raises(ps.InvalidConfigError, match=r"position_ids jump from 7 to 20 \(row 0\) .*use_cache=False"):
         model(input_ids=input_ids, position_ids=jumping, past_key_values=DynamicCache(), use_cache=True)
+    # a tree of drafts after a cached prefix (two branches from position 6: ids 6..9, then 6..8 again) went silently
+    # by index (alibi 5.5e-2 off each branch alone)
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=input_ids[:, :6], past_key_values=cache, use_cache=True)
+    tree = torch.tensor([[6, 7, 8, 9, 6, 7, 8]])
+    with pytest.raises(ps.InvalidConfigError, match=r"position_ids jump from 9 to 6 \(row 0\)"):
+        model(input_ids=input_ids[:, 6:13], position_ids=tree, past_key_values=cache, use_cache=True)
     with torch.no_grad():
         model(input_ids=input_ids, position_ids=jumping, use_cache=False)  # honoured without a cache
         padded = torch.tensor([[1, 1, 1, 0, 1, 2, 3, 4]])  # generate's ids of a left-padded row
         model(input_ids=input_ids[:, :8], position_ids=padded, past_key_values=DynamicCache(), use_cache=True)
+        right = torch.tensor([[0, 1, 2, 3, 4, 5, 1, 1]])  # a right-padded row's (pads at 1)
+        model(input_ids=input_ids[:, :8], position_ids=right, past_key_values=DynamicCache(), use_cache=True)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -198,8 +198,9 @@ def test_block_mask_equals_the_elementwise_mask(case: str) -> None:
     batch, q_len, kv_len = call.query.shape[0], call.query.shape[2], call.key.shape[2]
     if call.attention_mask is not None:
         want = call.attention_mask[:, 0].expand(batch, -1, -1)
-    else:
-        query_pos, key_pos = call.query_pos.expand(batch, -1), call.key_pos.expand(batch, -1)
-        want = key_pos[:, None, :] <= query_pos[:, :, None]
+    elif call.query_pos.dim() == 1:  # index positions: first position + index, so position order is token order
+        want = (call.key_pos[None, :] <= call.query_pos[:, None]).expand(batch, -1, -1)
+    else:  # per-row positions, in any order: causality still follows token order (the keys end at the last query)
+        want = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len).expand(batch, -1, -1)
     assert torch.equal(dense_from_block_mask(block_mask, batch, q_len, kv_len), want)
     assert flex_bias.flex_block_mask(call) is block_mask  # memoised per forward

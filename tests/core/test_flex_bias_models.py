@@ -95,6 +95,23 @@ def test_explicit_position_ids(family: str, scheme: str, flex_on_cpu: None) -> N
                                atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("scheme", ["alibi", "fire"])
+def test_restarting_position_ids_keep_causality_by_token_order(scheme: str, flex_on_cpu: None) -> None:
+    """Ids that restart (two sequences packed in a row, no mask between them): the block mask follows token order,
+    as the dense path does; built from the positions, a query saw the later tokens whose ids are smaller."""
+    model = build("llama", scheme)
+    input_ids = tokens(1, LENGTH)
+    position_ids = torch.cat((torch.arange(17), torch.arange(LENGTH - 17)))[None]
+    logits, paths = run(model, input_ids=input_ids, position_ids=position_ids)
+    assert paths == {FLEX}
+    torch.testing.assert_close(logits, dense(model, input_ids=input_ids, position_ids=position_ids),
+                               atol=ATOL, rtol=RTOL)
+    changed = input_ids.clone()
+    changed[:, 17:] = tokens(1, LENGTH - 17, seed=5)
+    earlier, _ = run(model, input_ids=changed, position_ids=position_ids)
+    torch.testing.assert_close(earlier[:, :17], logits[:, :17], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize(("family", "scheme"), matrix(["llama", "bert"], ["alibi", "fire"], {"llama-fire"}))
 def test_bfloat16_forward(family: str, scheme: str, flex_on_cpu: None) -> None:
     """A bf16 model through flex against the fp32 dense path: within what the dense path itself loses in bf16."""

@@ -274,6 +274,57 @@ def test_packed_sequences_equal_each_alone_with_absolute_position_parts(name: st
         torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-4)
 
 
+def test_roberta_position_ids_in_its_own_numbering_place_the_sequence_as_without_ids() -> None:
+    """RoBERTa numbers positions from padding_idx + 1 (its table's rows); FIRE's normaliser reads the query's own
+    position, so attention counts those ids from 0 (read as they were, they moved FIRE's logits by 4.4e-4)."""
+    model = swapped("roberta", "fire")
+    input_ids = tokens(2, 12)
+    numbered = torch.arange(12)[None].expand(2, -1) + model.config.pad_token_id + 1
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=input_ids, position_ids=numbered).logits,
+                                   model(input_ids=input_ids).logits, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["t5", "alibi", "learned"])
+def test_an_integer_four_d_mask_is_refused_with_the_fix(scheme: str) -> None:
+    """A 4-D mask is used as given: an integer one of 1s and 0s was added to the logits as it is by the dense bias
+    path and eager attention, hiding nothing (1.9e-2 in T5's logits of packed sequences)."""
+    model = swapped("gpt2", scheme)
+    causal = torch.ones(1, 1, 8, 8, dtype=torch.long).tril()
+    with pytest.raises(ps.InvalidConfigError, match=r"4-D torch.int64 .*attention_mask.bool\(\)"):
+        model(input_ids=tokens(1, 8), attention_mask=causal)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=tokens(1, 8), attention_mask=causal.bool()).logits,
+                                   model(input_ids=tokens(1, 8)).logits)
+
+
+def future_leak(model: torch.nn.Module) -> float:
+    """How much the first of two packed sequences' logits move when the second one's tokens change, with ids that
+    restart and no mask between the sequences (transformers gives sdpa none while it makes a KV cache): nonzero
+    means a query saw later tokens, which a causal model must never do."""
+    first, second, other = tokens(1, 9, seed=1), tokens(1, 15, seed=2), tokens(1, 15, seed=3)
+    position_ids = torch.cat([torch.arange(9), torch.arange(15)])[None]
+    with torch.no_grad():
+        seen = [model(input_ids=torch.cat([first, later], 1), position_ids=position_ids, use_cache=True).logits[:, :9]
+                for later in (second, other)]
+    return float((seen[0] - seen[1]).abs().max())
+
+
+@pytest.mark.parametrize(("family", "scheme"), CAUSAL_MATRIX)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_position_ids_that_restart_never_show_a_query_later_tokens(family: str, scheme: str, attn: str) -> None:
+    """Causality follows token order, whatever the positions: bias schemes built it from the positions, so a query
+    saw the later tokens whose restarted ids are smaller (0.34 in ALiBi's logits with sdpa)."""
+    assert future_leak(swapped(family, scheme, attn=attn)) == 0
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_restarting_position_ids_never_show_self_extend_later_tokens(attn: str) -> None:
+    model = make_model("llama", attn=attn)
+    ps.swap(model, ps.RopeConfig(scaling=ps.SelfExtend(group_size=2, neighbor_window=4)))
+    assert future_leak(model) == 0
+
+
 #: swaps placed by hf_posswap's attention (natively carried RoPE honours any position ids through transformers)
 PLACED_BY_HOOK = [pytest.param(f, s, id=f"{f}-{s}") for f in FAMILIES for s in ("alibi", "t5")] + [
     pytest.param(f, s, id=f"{f}-{s}") for f, s in (("gpt2", "rope"), ("bert", "rope"), ("llama", "xpos"))]
