@@ -42,6 +42,7 @@ from .forward_check import ForwardCheck, new_tokens
 from .input_positions import (
     check_attention_mask,
     check_position_ids,
+    counted_from_zero,
     explicit_positions,
     padded_positions,
     reads_query_positions,
@@ -282,9 +283,8 @@ class PositionInputs:
         """The position context every attention call of this forward reads."""
         # under context parallelism the shard carries the whole sequence's position ids (RingShard.explicit)
         row_positions = None if shard is not None else explicit_positions(kwargs, query_offset, cache)
-        first_id = self.adapter.first_position_id(base)
-        if row_positions is not None and first_id:  # RoBERTa's numbering: a sequence's first token at 0
-            row_positions = (row_positions - first_id).clamp(min=0)
+        if row_positions is not None:  # a family's own numbering (RoBERTa's from padding_idx + 1) counted from 0
+            row_positions = counted_from_zero(row_positions, self.adapter.first_position_id(base), self.adapter.name)
         needs_padded = self.two_pass is not None or (self.layers is not None and self.layers.needs_padded_positions)
         reads_absolute = reads_query_positions(positions)
         return PositionContext(

@@ -281,9 +281,8 @@ def _make_block_mask(call: FusedCall, q_len: int, kv_len: int) -> Any:
     if not call.causal:
         return None
     # causality by token order, not by the positions the bias reads (ids that restart, as packed sequences' do,
-    # would let a query see later tokens): key j is in query i's past when j <= i + lag. Explicit per-row positions
-    # come without a cache (the queries are the keys) or shifted per row (the keys end at the last query)
-    lag = -call.first_relative() if call.query_pos.dim() == 1 else kv_len - q_len
+    # would let a query see later tokens): key j is in query i's past when j <= i + lag
+    lag = call.causal_lag()
 
     def causal_mask(batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor,
                     kv_idx: torch.Tensor) -> torch.Tensor:

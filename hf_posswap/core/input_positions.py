@@ -34,6 +34,22 @@ def explicit_positions(kwargs: dict[str, Any], query_offset: int, cache: Any) ->
     return position_ids.expand(batch, -1)
 
 
+def counted_from_zero(position_ids: torch.Tensor, first_id: int, family: str) -> torch.Tensor:
+    """Explicit ids [B, q] of a family that numbers a sequence's first token ``first_id`` (RoBERTa: padding_idx + 1,
+    its table's first row for a token; padding at padding_idx), counted from 0 as attention reads them (padding at
+    0). Ids below padding_idx are not of that numbering (0-based ids): refused, since the family's own table would
+    read them as other rows too."""
+    if not first_id:
+        return position_ids
+    if not torch.compiler.is_compiling() and bool((position_ids < first_id - 1).any()):
+        raise InvalidConfigError(
+            f"position_ids start at {int(position_ids.min())}, and {family} numbers a sequence's first token "
+            f"{first_id} (padding_idx + 1: its position table's rows for tokens start there). Pass position_ids "
+            f"+ {first_id}, or leave them out."
+        )
+    return (position_ids - first_id).clamp(min=0)
+
+
 def _are_the_index(position_ids: Any) -> bool:
     """Whether every row of ``position_ids`` [B or 1, q] is 0, 1, ..., q - 1. Ids that are not (sequences packed
     into one row beside a block-diagonal 4-D mask, each counting from 0) are the positions a scheme that reads

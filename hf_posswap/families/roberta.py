@@ -5,8 +5,8 @@ the table has ``padding_idx + 1`` more rows than the model's context (514 for 51
 
 The position wrapper leaves ``position_ids`` to RoBERTa's own embeddings, so the table slot (the kept learned table or
 a new absolute scheme) sees RoBERTa's numbering, exactly as the native model does; explicit ``position_ids`` are table
-indices, as in transformers. In-attention schemes use token indices and the mask, or explicit ids counted from 0
-(``first_position_id``: FIRE's normaliser reads the query's own position).
+indices, as in transformers. In-attention schemes use token indices and the mask, or explicit ids in that numbering
+counted from 0 (``first_position_id``: FIRE's normaliser reads the query's own position).
 ``token_type_ids`` are supplied as zeros (what the buffer holds), so inputs past the table run for schemes without
 a length limit.
 """

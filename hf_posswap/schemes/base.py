@@ -302,12 +302,22 @@ class FusedCall:
     #: (first query position, first key position) of index positions, known to the caller without reading a tensor
     #: (None: explicit per-row positions, or not given)
     starts: tuple[int, int] | None = None
+    #: first query's token index minus first key's: key j is in query i's past when j - i <= it (see causal_lag)
+    index_lag: int | None = None
 
     def first_relative(self) -> int:
         """The first key's position minus the first query's, for index positions [q], [kv] (one sync at most)."""
         if self.starts is not None:
             return self.starts[1] - self.starts[0]
         return int(self.key_pos[0] - self.query_pos[0])
+
+    def causal_lag(self) -> int:
+        """:attr:`index_lag`, else from index positions, or (per-row positions) the keys ending at the last query."""
+        if self.index_lag is not None:
+            return self.index_lag
+        if self.query_pos.dim() == 1:
+            return -self.first_relative()
+        return self.key.shape[2] - self.query.shape[2]
 
 
 def pinned_id(memo: dict | None, tensor: Any) -> int | None:

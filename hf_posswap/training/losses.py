@@ -10,7 +10,8 @@ import struct
 import torch
 from torch import nn
 
-from ..errors import InvalidConfigError
+from ..errors import InvalidConfigError, UnsupportedFamilyError
+from ..families import get_family
 from .config import FinetuneConfig
 
 
@@ -114,6 +115,16 @@ def collator(tokenizer, objective: str, config: FinetuneConfig, held_out: bool =
     return CausalBatches()
 
 
+def _first_position_id(model: nn.Module) -> int:
+    """The id the model's family numbers a sequence's first token with (RoBERTa: padding_idx + 1; 0 elsewhere):
+    PoSE's ids count from 0 and are shifted to it, so RoBERTa's table reads its own rows."""
+    inner = getattr(model, "module", model)  # DistributedDataParallel, DeepSpeed's engine
+    try:
+        return get_family(inner).first_position_id(inner)
+    except UnsupportedFamilyError:
+        return 0
+
+
 def batch_loss(model, teacher, batch: dict[str, torch.Tensor], objective: str, config: FinetuneConfig,
                generator: torch.Generator, process: tuple[int, int] = (0, 1),
                global_masked: int | None = None) -> torch.Tensor:
@@ -130,7 +141,7 @@ def batch_loss(model, teacher, batch: dict[str, torch.Tensor], objective: str, c
         batch_size, seq_len = inputs["input_ids"].shape
         inputs["position_ids"] = pose_position_ids(batch_size, seq_len, config.pose_target, generator, process).to(
             inputs["input_ids"].device
-        )
+        ) + _first_position_id(model)
         # Without an attention mask transformers reads position ids that jump as several sequences packed into one
         # row (masking_utils.find_packed_sequence_indices) and masks attention across each jump; a PoSE row is one
         # sequence whose positions skip ahead, so it gets an explicit all-ones mask.

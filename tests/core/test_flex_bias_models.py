@@ -112,6 +112,28 @@ def test_restarting_position_ids_keep_causality_by_token_order(scheme: str, flex
     torch.testing.assert_close(earlier[:, :17], logits[:, :17], atol=0, rtol=0)
 
 
+def test_shifted_rows_prefilling_a_static_cache_keep_causality(flex_on_cpu: None) -> None:
+    """FIRE's per-row positions (ids shifted by 3) prefilling a static cache without a mask (transformers then
+    gives none): the keys are the whole buffer, so causality must come from the cache offset, not from the keys
+    ending at the last query (that let every query see 44 slots ahead: 0.54 off the dense path)."""
+    from transformers import StaticCache
+
+    model = build("llama", "fire")
+    input_ids = tokens(2, 20)
+    position_ids = (torch.arange(20) + 3)[None]
+
+    def prefill(ids: torch.Tensor, attn: str = "posswap_sdpa") -> tuple[torch.Tensor, set[str]]:
+        cache = StaticCache(config=model.config, max_cache_len=64)
+        return run(model, attn, input_ids=ids, past_key_values=cache, position_ids=position_ids)
+
+    logits, paths = prefill(input_ids)
+    assert paths == {FLEX}
+    torch.testing.assert_close(logits, prefill(input_ids, "posswap_eager")[0], atol=ATOL, rtol=RTOL)
+    changed = input_ids.clone()
+    changed[:, 10:] = tokens(2, 10, seed=5)
+    torch.testing.assert_close(prefill(changed)[0][:, :10], logits[:, :10], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize(("family", "scheme"), matrix(["llama", "bert"], ["alibi", "fire"], {"llama-fire"}))
 def test_bfloat16_forward(family: str, scheme: str, flex_on_cpu: None) -> None:
     """A bf16 model through flex against the fp32 dense path: within what the dense path itself loses in bf16."""

@@ -216,8 +216,9 @@ def test_explicit_position_ids_reach_attention(family: str, scheme: str) -> None
     logits, and rows with different ids in one batch equal each row alone."""
     model = swapped(family, scheme)
     input_ids = tokens(2, 16)
-    arange = torch.arange(16)[None].expand(2, -1)
-    skipped = torch.cat([torch.arange(8), torch.arange(8) + 40])[None]
+    first = model.config.pad_token_id + 1 if family == "roberta" else 0  # RoBERTa numbers from padding_idx + 1
+    arange = torch.arange(16)[None].expand(2, -1) + first
+    skipped = torch.cat([torch.arange(8), torch.arange(8) + 40])[None] + first
     with torch.no_grad():
         default = model(input_ids=input_ids).logits
         torch.testing.assert_close(model(input_ids=input_ids, position_ids=arange).logits, default)
@@ -283,6 +284,9 @@ def test_roberta_position_ids_in_its_own_numbering_place_the_sequence_as_without
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=input_ids, position_ids=numbered).logits,
                                    model(input_ids=input_ids).logits, atol=1e-6, rtol=1e-5)
+    # 0-based ids are not RoBERTa's: its table would read them as other rows, and clamped they put three tokens at 0
+    with pytest.raises(ps.InvalidConfigError, match=r"position_ids start at 0, and roberta numbers .* \+ 2"):
+        model(input_ids=input_ids, position_ids=torch.arange(12)[None])
 
 
 @pytest.mark.parametrize("scheme", ["t5", "alibi", "learned"])

@@ -361,6 +361,24 @@ def test_pose_rows_are_one_sequence_whose_positions_skip(scheme: str) -> None:
     torch.testing.assert_close(loss, one_sequence, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("scheme", ["learned", "alibi"])
+def test_pose_ids_follow_robertas_numbering(scheme: str) -> None:
+    """RoBERTa numbers positions from padding_idx + 1 (its table's rows): PoSE's 0-based ids are shifted to it, so
+    the kept table reads its own rows (it read the padding row for the first token) and attention counts them
+    from 0 (it refuses 0-based ids)."""
+    from conftest import swapped
+
+    from hf_posswap.training.loop import _loss
+
+    model = swapped("roberta", scheme).train()
+    tokens = torch.randint(3, 90, (2, 32))
+    config = FinetuneConfig(model="m", data=["d"], output="o", seq_len=32, pose_target=60, objective="mlm")
+    loss = _loss(model, None, {"input_ids": tokens, "labels": tokens}, "mlm", config, torch.Generator().manual_seed(3))
+    positions = pose_position_ids(2, 32, 60, torch.Generator().manual_seed(3)) + model.config.pad_token_id + 1
+    expected = model(input_ids=tokens, labels=tokens, position_ids=positions, attention_mask=torch.ones_like(tokens))
+    torch.testing.assert_close(loss, expected.loss, rtol=1e-5, atol=1e-6)
+
+
 def test_finetune_config_errors() -> None:
     with pytest.raises(ps.InvalidConfigError, match=r"FinetuneConfig.steps must be a positive integer, got 0"):
         FinetuneConfig(model="m", data=["d"], output="o", steps=0)
