@@ -239,7 +239,7 @@ def bias_call(
         dropout=dropout if module.training else 0.0,
         memo=context.memo,
         starts=starts,
-        index_lag=context.query_offset - context.key_start(query.shape[2], key.shape[2]),
+        index_lag=context.index_lag(query.shape[2], key.shape[2]),
     )
 
 

@@ -167,6 +167,10 @@ class PositionContext:
             return self.row_positions, self.row_positions
         return self.token_indices(q_len, kv_len, device)
 
+    def index_lag(self, q_len: int, kv_len: int) -> int:
+        """The first query's token index minus the first key's: key j is in query i's past when j - i <= it."""
+        return self.query_offset - self.key_start(q_len, kv_len)
+
     def token_indices(self, q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens' indices in the sequence, query [q] and key [kv] (cache offset + index): the order causality
         follows, whatever positions a scheme reads (position ids restarting in packed sequences, say)."""

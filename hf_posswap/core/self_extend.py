@@ -194,8 +194,7 @@ class _Call:
     scaling: float
     dropout: float
     causal: bool
-    #: the first query's token index minus the first key's (the cache offset minus the key start): key j is in
-    #: query i's past when j - i <= index_lag, the order causality follows whatever the positions
+    #: PositionContext.index_lag: the order causality follows, whatever the positions
     index_lag: int = 0
 
     def logits(self, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -264,7 +263,7 @@ def _prepare(
         scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
         dropout=dropout,
         causal=bool(getattr(module, "is_causal", True)),
-        index_lag=context.query_offset - context.key_start(query.shape[2], key.shape[2]),
+        index_lag=context.index_lag(query.shape[2], key.shape[2]),
     )
 
 

@@ -312,12 +312,8 @@ class FusedCall:
         return int(self.key_pos[0] - self.query_pos[0])
 
     def causal_lag(self) -> int:
-        """:attr:`index_lag`, else from index positions, or (per-row positions) the keys ending at the last query."""
-        if self.index_lag is not None:
-            return self.index_lag
-        if self.query_pos.dim() == 1:
-            return -self.first_relative()
-        return self.key.shape[2] - self.query.shape[2]
+        """:attr:`index_lag`, else (index positions, where position order is token order) from the positions."""
+        return self.index_lag if self.index_lag is not None else -self.first_relative()
 
 
 def pinned_id(memo: dict | None, tensor: Any) -> int | None:

@@ -159,10 +159,10 @@ def dense_from_block_mask(block_mask, batch: int, q_len: int, kv_len: int) -> to
 
 
 def position_call(query_pos: torch.Tensor, key_pos: torch.Tensor, mask: torch.Tensor | None = None,
-                  batch: int = 2) -> FusedCall:
+                  batch: int = 2, index_lag: int | None = None) -> FusedCall:
     q_len, kv_len = query_pos.shape[-1], key_pos.shape[-1]
     query, key = torch.zeros(batch, 2, q_len, 8), torch.zeros(batch, 2, kv_len, 8)
-    return FusedCall(query, key, key, mask, query_pos, key_pos, 0, True, 1.0, 0.0, {})
+    return FusedCall(query, key, key, mask, query_pos, key_pos, 0, True, 1.0, 0.0, {}, index_lag=index_lag)
 
 
 def shuffled_rows(count: int) -> torch.Tensor:
@@ -183,7 +183,7 @@ BLOCK_CASES = {
     "prefill": lambda: position_call(torch.arange(300), torch.arange(300)),
     "chunk-after-cache": lambda: position_call(torch.arange(500, 700), torch.arange(700)),
     "static-buffer": lambda: position_call(torch.arange(100, 400), torch.arange(640)),
-    "unordered-rows": lambda: position_call(shuffled_rows(333), shuffled_rows(333)),
+    "unordered-rows": lambda: position_call(shuffled_rows(333), shuffled_rows(333), index_lag=0),
     "sliding-padded-mask": lambda: position_call(torch.arange(500, 700), torch.arange(700),
                                                  sliding_padded_mask(200, 700)),
     "broadcast-mask": lambda: position_call(torch.arange(300), torch.arange(300),
@@ -200,7 +200,7 @@ def test_block_mask_equals_the_elementwise_mask(case: str) -> None:
         want = call.attention_mask[:, 0].expand(batch, -1, -1)
     elif call.query_pos.dim() == 1:  # index positions: first position + index, so position order is token order
         want = (call.key_pos[None, :] <= call.query_pos[:, None]).expand(batch, -1, -1)
-    else:  # per-row positions, in any order: causality still follows token order (the keys end at the last query)
-        want = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len).expand(batch, -1, -1)
+    else:  # per-row positions, in any order: causality still follows token order (index_lag)
+        want = torch.ones(q_len, kv_len, dtype=torch.bool).tril(call.index_lag).expand(batch, -1, -1)
     assert torch.equal(dense_from_block_mask(block_mask, batch, q_len, kv_len), want)
     assert flex_bias.flex_block_mask(call) is block_mask  # memoised per forward
