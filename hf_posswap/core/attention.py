@@ -172,7 +172,11 @@ def dense_bias_mask(
 def _every_key_visible(context: PositionContext, q_len: int, kv_len: int) -> bool:
     """Whether every key is at or before every query in token order, known without looking at a tensor: the last
     key is no later than the first query (a decoding step after a dynamic cache: its causal mask is all True, and
-    building it costs two ops a step)."""
+    building it costs two ops a step). Under ``torch.compile`` the mask is always built: in the graph it costs
+    nothing, and the answer would be a guard on the cache's length (a static cache's last slot flips it:
+    one more compile)."""
+    if torch.compiler.is_compiling():
+        return False
     return context.key_start(q_len, kv_len) + kv_len - 1 <= context.query_offset
 
 

@@ -39,6 +39,7 @@ from ..transformers_internals import (
     self_attention_layers,
 )
 from .forward_check import ForwardCheck, new_tokens
+from .forward_memo import CompiledMemo, new_memo
 from .input_positions import (
     check_attention_mask,
     check_position_ids,
@@ -96,12 +97,12 @@ class PositionContext:
     two_pass: TwoPassSettings | None = None
     #: what one forward computes once and every layer reuses (gradient-free: positions, bucket ids, merged masks,
     #: rotation matrices, block masks). Keys are tuples whose first item names what is kept and who keeps it
-    #: ("positions", "layer-context", "part-memo" here; "t5-buckets", "t5-fused-*", "alibi-*" in the schemes;
-    #: "rope-*" in rotary_cache.py, "flex-*" in flex_bias.py, "self-extend-*", "ring-*", "mask" in core) and
-    #: whose other items are what it depends on. A key names a tensor (a mask, position rows) by
-    #: ``schemes.base.pinned_id``, which keeps the tensor alive in the memo (an id is unique only while its object
-    #: lives); the memo is dropped with the forward.
-    memo: dict = field(default_factory=dict)
+    #: ("positions", "layer-context", "part-memo" here; "t5-buckets", "t5-fused-*", "alibi-*" in the schemes; "rope-*"
+    #: in rotary_cache.py, "flex-*" in flex_bias.py, "self-extend-*", "ring-*", "mask" in core) and whose other items
+    #: are what it depends on. A key names a tensor (a mask, position rows) by ``schemes.base.pinned_id``, which keeps
+    #: the tensor alive in the memo (its id is unique only while it lives). Dropped with the forward; empty under
+    #: torch.compile (core/forward_memo.py).
+    memo: dict | CompiledMemo = field(default_factory=new_memo)
 
     #: explicit per-row positions [B, q] (position ids passed without cache or padding, e.g. PoSE training)
     row_positions: torch.Tensor | None = None
@@ -134,7 +135,7 @@ class PositionContext:
         if found is None:
             plan = self.layers
             if not isinstance(index, int) or not 0 <= index < len(plan.kinds):  # not a layer of the mix: no scheme
-                return dataclasses.replace(self, positions=None, kind="none", layers=None, memo={})
+                return dataclasses.replace(self, positions=None, kind="none", layers=None, memo=new_memo())
             part = plan.parts[index]
             found = dataclasses.replace(
                 self,
@@ -142,7 +143,7 @@ class PositionContext:
                 kind=plan.kinds[index],
                 layer_shared=plan.shared[index],
                 two_pass=plan.two_pass[index],
-                memo=self.memo.setdefault(("part-memo", part), {}),
+                memo=self.memo.setdefault(("part-memo", part), new_memo()),
                 layers=None,
             )
             self.memo[memo_key] = found
@@ -209,9 +210,7 @@ class PositionContext:
 def _parameter_names(forward: Callable[..., Any]) -> tuple[str, ...]:
     """The parameter names of a model class's ``forward``, without ``self`` (looked up once per class). Under
     ``torch.compile`` they are read afresh: dynamo traces through a cache and warns that it did (once per process)."""
-    if torch.compiler.is_compiling():
-        return _read_parameter_names(forward)
-    return _cached_parameter_names(forward)
+    return (_read_parameter_names if torch.compiler.is_compiling() else _cached_parameter_names)(forward)
 
 
 def _read_parameter_names(forward: Callable[..., Any]) -> tuple[str, ...]:

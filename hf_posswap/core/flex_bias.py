@@ -133,12 +133,13 @@ def position_ranges_of(call: FusedCall) -> tuple[int, tuple[int, int]]:
         reach = max(abs(first_key + kv_len - 1 - first_query), abs(first_query + q_len - 1 - first_key))
         return reach, (first_query, first_query + q_len - 1)
     memo_key = ("flex-ranges", pinned_id(call.memo, call.query_pos), pinned_id(call.memo, call.key_pos))
-    if memo_key not in call.memo:
+    found = call.memo.get(memo_key)
+    if found is None:
         query_pos, key_pos = call.query_pos, call.key_pos
         ends = torch.stack((query_pos.min(), query_pos.max(), key_pos.min(), key_pos.max())).tolist()
         reach = max(abs(ends[3] - ends[0]), abs(ends[1] - ends[2]))
-        call.memo[memo_key] = reach, (ends[0], ends[1])
-    return call.memo[memo_key]
+        found = call.memo[memo_key] = reach, (ends[0], ends[1])
+    return found
 
 
 def flex_spec(call: FusedCall) -> FlexSpec:
@@ -262,9 +263,10 @@ def flex_block_mask(call: FusedCall) -> Any:
     mask = call.attention_mask
     memo_key = ("flex-block-mask", q_len, kv_len, call.causal, pinned_id(call.memo, mask),
                 call.query_pos.dim(), call.query.device)
-    if memo_key not in call.memo:
-        call.memo[memo_key] = _make_block_mask(call, q_len, kv_len)
-    return call.memo[memo_key]
+    if memo_key in call.memo:  # (a BlockMask, or None: every key visible)
+        return call.memo.get(memo_key)
+    block_mask = call.memo[memo_key] = _make_block_mask(call, q_len, kv_len)
+    return block_mask
 
 
 def _make_block_mask(call: FusedCall, q_len: int, kv_len: int) -> Any:

@@ -135,6 +135,8 @@ def row_shifts(kwargs: dict[str, Any], query_offset: int) -> torch.Tensor | None
         shift = torch.where(fits, shift, 0)
     else:
         return None
+    if torch.compiler.is_compiling():  # zeros shift nothing; telling them apart would read the tensor (a graph break)
+        return shift
     return shift if bool(shift.any()) else None
 
 

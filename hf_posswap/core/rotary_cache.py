@@ -120,7 +120,7 @@ def _decode_step(layer: Any, query: torch.Tensor, key: torch.Tensor, context: An
     if query.requires_grad:  # the kept matrices stay out of autograd (they may be inference tensors)
         return None
     matrix = _step_matrix(context, offset, query.device, query.dtype, query.shape[-1])
-    if matrix is None or marker.signature is not context.memo["rope-signature"]:
+    if matrix is None or marker.signature is not context.memo.get("rope-signature"):
         return None  # (a marker of another rotation: the general path explains the refusal)
     tail = key[:, :, offset : offset + 1]
     tail.copy_(_turn(tail, matrix))
@@ -135,7 +135,7 @@ def _step_matrix(context: Any, position: int, device: torch.device, dtype: torch
     so a decode step usually only indexes them."""
     memo_key = ("rope-step-matrix", position, device, dtype)
     if memo_key in context.memo:
-        return context.memo[memo_key]
+        return context.memo.get(memo_key)
     scheme = context.positions
     signature = rotation_signature(context, device)
     trainable = torch.is_grad_enabled() and any(p.requires_grad for p in scheme.parameters())

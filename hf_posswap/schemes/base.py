@@ -323,6 +323,8 @@ def pinned_id(memo: dict | None, tensor: Any) -> int | None:
     from the first mask's entry."""
     if tensor is None:
         return None
+    if torch.compiler.is_compiling():  # the memo keeps nothing then (core/forward_memo.py), and dynamo cannot id()
+        return 0
     if memo is not None:
         memo.setdefault(("pinned",), {})[id(tensor)] = tensor
     return id(tensor)

@@ -152,9 +152,10 @@ def memoised_plan(call: FusedCall) -> CausalPlan | None:
     """:func:`causal_plan`, once per forward: every layer of a forward has the same positions and mask."""
     mask_id = pinned_id(call.memo, call.attention_mask)
     key = ("alibi-plan", call.query.shape[2], call.key.shape[2], call.query_pos.dim(), mask_id)
-    if key not in call.memo:
-        call.memo[key] = causal_plan(call)
-    return call.memo[key]
+    plan = call.memo.get(key)
+    if plan is None:
+        plan = call.memo[key] = causal_plan(call)
+    return plan
 
 
 def _centre(query_pos: torch.Tensor) -> torch.Tensor:
@@ -273,11 +274,12 @@ def _small_query_bias(
     dtype = bias_dtype(call.query.dtype)
     key = ("alibi-small-bias", call.query.shape[2], plan.visible, dtype, pinned_id(call.memo, plan.mask))
     memoise = not (slopes.requires_grad and torch.is_grad_enabled())
-    if memoise and key in call.memo:
-        return call.memo[key]
+    found = call.memo.get(key) if memoise else None
+    if found is not None:
+        return found
     if memoise and owner is not None and plan.mask is None and call.query_pos.dim() == 1 and call.query.shape[2] == 1:
-        call.memo[key] = _decode_bias(owner, slopes, call.first_relative(), plan.visible, dtype)
-        return call.memo[key]
+        found = call.memo[key] = _decode_bias(owner, slopes, call.first_relative(), plan.visible, dtype)
+        return found
     distance = (call.key_pos[..., None, : plan.visible] - call.query_pos[..., :, None]).to(dtype)  # j - i
     bias = slopes.to(dtype)[:, None, None] * (distance[:, None] if distance.dim() == 3 else distance[None, None])
     mask, lowest = plan.mask, torch.finfo(dtype).min  # never is_causal here: fewer queries than visible keys

@@ -7,7 +7,8 @@ keeps the row and hands each step a copy of the slice (:func:`row_copy`): one op
 
 The row is rebuilt when it is too short, moves device, or when the values it is computed from (ALiBi's slopes, a T5
 table: [H] or [buckets, H]) differ from a copy kept with it, compared each time they are asked for. It is made
-without gradient: callers take it only where no gradient reaches the bias.
+without gradient: callers take it only where no gradient reaches the bias. Under ``torch.compile`` nothing is kept:
+the compiled graph computes the row each call.
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ def kept_row(
 
     ``build(relative)`` makes the row from the relative positions -span .. span ([2 span + 1] int64, on ``device``,
     default ``source``'s); the row is kept on ``owner`` under ``name`` (outside its state dict) while ``source``
-    holds the values it was built from (``source`` None: a row that depends on the positions only).
+    holds the values it was built from (``source`` None: a row that depends on the positions only). Under
+    ``torch.compile`` the row is built afresh for ``reach``, inside the graph: comparing values is data-dependent,
+    which would break the graph at every call.
     """
     device = source.device if device is None else device
+    if torch.compiler.is_compiling():
+        return build(torch.arange(-reach, reach + 1, device=device)), reach
     rows = owner.__dict__.setdefault("_kept_rows", {})
     kept = rows.get(name)
     if kept is None or kept[2] < reach or kept[3] != device or not same_values(kept[0], source):

@@ -37,6 +37,15 @@ def sandwich_distance_table(count: int, dim: int, base: float, num_heads: int, d
     return (inner[None, :] / compression[:, None]).to(torch.float32)
 
 
+def _distance_bound(query_pos: torch.Tensor, key_pos: torch.Tensor, distance: torch.Tensor) -> int:
+    """The largest distance of ``distance`` [..., q, kv] or a bound of it. Under ``torch.compile``, for the
+    library's index positions ([q] and [kv], runs of consecutive integers whose keys end at or after the last
+    query), every distance is below q + kv: the sizes bound it without reading the tensor (a graph break)."""
+    if torch.compiler.is_compiling() and query_pos.dim() == 1 and key_pos.dim() == 1:
+        return query_pos.shape[0] + key_pos.shape[0]
+    return int(distance.max())
+
+
 class SandwichBias(BiasPositions):
     """Parameter-free: nothing to train or save; the bias is computed for the distances each call needs."""
 
@@ -52,8 +61,8 @@ class SandwichBias(BiasPositions):
         # query_pos [q], key_pos [kv] -> [1, H, q, kv]  (or [B, q], [B, kv] -> [B, H, q, kv])
         # cos is even: the bias is symmetric, so causal and bidirectional attention use the same |i - j|
         distance = (query_pos[..., :, None] - key_pos[..., None, :]).abs().long()  # [..., q, kv]
-        table = sandwich_distance_table(int(distance.max()) + 1, self.dim, self.base, self.num_heads,
-                                        distance.device)  # [H, max distance + 1]
+        table = sandwich_distance_table(_distance_bound(query_pos, key_pos, distance) + 1, self.dim, self.base,
+                                        self.num_heads, distance.device)  # [H, max distance + 1]
         bias = table[:, distance]  # [H, ..., q, kv]
         return bias.movedim(0, -3) if bias.dim() == 4 else bias.unsqueeze(0)
 

@@ -99,6 +99,9 @@ class T5RelativeBias(BiasPositions):
         # query_pos [q], key_pos [kv] -> [1, H, q, kv]  (or [B, q], [B, kv] -> [B, H, q, kv])
         table = self.tables[0] if len(self.tables) == 1 else self.tables[layer_idx]
         needs_grad = table.weight.requires_grad and torch.is_grad_enabled()
+        weight = table.weight.to(torch.float32).t()  # [num_buckets, H] -> [H, num_buckets]
+        if torch.compiler.is_compiling():  # kept rows and memo keys read the positions' values: computed in-graph
+            return _bias_from(weight, self._computed_buckets(query_pos, key_pos, causal))
         index_positions = query_pos.dim() == 1 and memo is not None  # the library's: ranges (see BiasPositions)
         if index_positions and query_pos.shape[0] == 1 and not needs_grad:
             first = int(key_pos[0]) - int(query_pos[0])
@@ -118,13 +121,15 @@ class T5RelativeBias(BiasPositions):
         if buckets is None and index_positions:  # a view of the kept bucket row
             buckets = self._index_buckets(first_query, query_pos.shape[0], first_key, key_pos.shape[0], causal)
         elif buckets is None:
-            relative = key_pos[..., None, :] - query_pos[..., :, None]  # [B, q, kv], memory - context as in T5
-            buckets = relative_position_bucket(relative, not causal, self.num_buckets, self.max_distance)
+            buckets = self._computed_buckets(query_pos, key_pos, causal)
         if memo is not None:
             memo[memo_key] = buckets
-        weight = table.weight.to(torch.float32).t()  # [num_buckets, H] -> [H, num_buckets]
-        bias = _GatherBuckets.apply(weight, buckets)  # [H, ..., q, kv]
-        return bias.movedim(0, -3) if bias.dim() == 4 else bias.unsqueeze(0)  # -> [B or 1, H, q, kv]
+        return _bias_from(weight, buckets)
+
+    def _computed_buckets(self, query_pos: torch.Tensor, key_pos: torch.Tensor, causal: bool) -> torch.Tensor:
+        """Bucket ids [q, kv] (or [B, q, kv]) computed from the positions."""
+        relative = key_pos[..., None, :] - query_pos[..., :, None]  # [B, q, kv], memory - context as in T5
+        return relative_position_bucket(relative, not causal, self.num_buckets, self.max_distance)
 
     def _index_buckets(self, first_query: int, q_len: int, first_key: int, kv_len: int, causal: bool) -> torch.Tensor:
         """Bucket ids [q, kv] of queries at first_query + r and keys at first_key + j (relative position
@@ -202,6 +207,8 @@ class T5RelativeBias(BiasPositions):
     def _fused_plan(self, call: FusedCall) -> Plan | None:
         """How ``call`` splits into far parts and a band, or None when the fused form does not apply."""
         query, key = call.query, call.key
+        if torch.compiler.is_compiling():  # planned from the positions' values: the compiled graph takes the dense bias
+            return None
         dtypes = (torch.float32, torch.float64, *HALF_PRECISION)
         if query.device.type != "cpu" or query.dtype not in dtypes or key.dtype != query.dtype or call.dropout > 0:
             return None
@@ -230,6 +237,13 @@ class T5RelativeBias(BiasPositions):
 
     def extra_repr(self) -> str:
         return f"num_buckets={self.num_buckets}, max_distance={self.max_distance}, tables={len(self.tables)}"
+
+
+def _bias_from(weight: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
+    """The table's bias at the bucket ids: weight [H, num_buckets], buckets [q, kv] or [B, q, kv] ->
+    [B or 1, H, q, kv]."""
+    bias = _GatherBuckets.apply(weight, buckets)  # [H, ..., q, kv]
+    return bias.movedim(0, -3) if bias.dim() == 4 else bias.unsqueeze(0)
 
 
 def _consecutive_positions(call: FusedCall) -> bool:

@@ -10,7 +10,8 @@ What is checked, per family x scheme (tiny models from configs, LLaMA with group
 - bf16 on the device: the sdpa carrier (flex_attention for bias schemes) and the eager carrier (dense bias) are
   each as close to the fp32 result as bf16 allows, and the bias schemes' long calls took the flex path;
 - cached decoding equals one uncached forward (bf16 and fp32), a left-padded batch equals its rows alone;
-- ``generate`` (greedy, beams, sampling with a seed) runs, greedy equal to the CPU's tokens in fp32;
+- ``generate`` (greedy, beams, sampling with a seed) runs, greedy equal to the CPU's tokens in fp32, and with a static
+  cache, which it then compiles by itself (inductor), gives eager ``generate``'s tokens without recompiling per step;
 - backward: the position parameters' gradients equal the CPU's (fp32) and are finite and close in bf16;
 - ``device_map="auto"`` loading of a saved swapped checkpoint and a short accelerate fine-tune in bf16.
 """
@@ -152,6 +153,35 @@ def test_generate_greedy_beams_sampling(family: str, scheme: str) -> None:
     torch.manual_seed(0)
     sampled = model.generate(input_ids.to(DEVICE), do_sample=True, top_k=20, **settings)
     assert beams.shape[1] == sampled.shape[1] == LENGTH - 16 + 12
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "t5"])
+def test_generate_compiles_itself_with_a_static_cache(scheme: str) -> None:
+    """``generate`` with a static cache compiles the forward by itself on a GPU (inductor, CUDA graphs): the same
+    tokens as eager ``generate``, and no more graphs for 20 new tokens than for 3 (no recompiling per step)."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    model = swapped_or_skip("llama", scheme).to(DEVICE).eval()
+    input_ids = tokens(1, LENGTH - 16).to(DEVICE)
+
+    def generate(new_tokens: int, compiled: bool) -> torch.Tensor:
+        settings = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
+                    "pad_token_id": 0, "cache_implementation": "static"}
+        if compiled and DEVICE != "cuda":  # the CPU rehearsal: generate compiles only on accelerators by itself
+            config = CompileConfig()
+            config._compile_all_devices = True
+            settings["compile_config"] = config
+        return model.generate(input_ids, disable_compile=not compiled, **settings)
+
+    graphs = []
+    for new_tokens in (3, 20):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled_tokens = generate(new_tokens, compiled=True)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[1], f"graphs for 3 and 20 new tokens: {graphs}"
+    assert torch.equal(compiled_tokens, generate(20, compiled=False))
 
 
 @pytest.mark.parametrize(("family", "scheme"), MATRIX)

@@ -1,0 +1,141 @@
+"""Cached decoding under ``torch.compile``: the numbers of eager decoding, compiled once per shape kind.
+
+``generate`` compiles the model's forward by itself when the KV cache is static and the device is a GPU (its
+``CompileConfig``), and users compile ``model.forward`` for fast decoding. A swapped model used to recompile at every
+step there: its per-forward memo keyed entries by the cache's length, which dynamo can only hash by fixing it in the
+graph's guards, and kept bias rows were compared by value (a graph break per call). After eight recompiles dynamo
+runs the frame eagerly, with a warning.
+
+Checked here on the CPU with dynamo's ``eager`` backend (the tracing and guards are the compiler's; inductor would add
+minutes of code generation, not other graphs):
+
+- ``fullgraph=True`` over a dynamic cache: the whole forward is one graph (a graph break raises), and after the
+  first steps have made the lengths dynamic, later steps never recompile (``error_on_recompile`` raises);
+- the logits equal eager decoding's at every step;
+- ``generate`` with a static cache and its own compilation: the same tokens as eager ``generate``, and as many
+  graphs for 14 new tokens as for 4 (the static cache's length is read once a forward: one graph break).
+
+Rotary schemes inside attention (RoPE on GPT-2, xPos, a layer mix with RoPE parts) and learned tables beyond the
+checkpoint's range still break the graph (they read the cache's rotated-key records and the positions' values);
+compiled, they decode correctly without recompiling per step (checked last).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from conftest import VOCAB, make_model, swapped
+from torch._dynamo.utils import counters
+from transformers import CompileConfig, DynamicCache
+
+from hf_posswap.transformers_internals import CACHE_KWARG
+
+#: (family, scheme) pairs whose cached decoding compiles to one graph (fullgraph)
+ONE_GRAPH = [
+    ("llama", "alibi"), ("llama", "t5"), ("llama", "kerple"), ("llama", "sandwich"), ("llama", "fire"),
+    ("llama", "rope"), ("llama", "sinusoidal"), ("llama", "none"), ("llama", "proportional"),
+    ("gpt2", "alibi"), ("gpt2", "t5"), ("gpt2", "fire"), ("phi3", "kerple"), ("gpt_neox", "t5"),
+]  # (not gemma3: its sliding layers' cache recompiles the native model too when the window fills)
+#: pairs that still break the graph: decoding stays right and does not recompile per step
+BREAKS_GRAPH = [("gpt2", "rope"), ("llama", "xpos"), ("llama", "layer_mix"), ("llama", "learned")]
+PROMPT = 8
+
+
+def _model(family: str, scheme: str | None) -> torch.nn.Module:
+    model = make_model(family) if scheme is None else swapped(family, scheme)
+    return model.eval()
+
+
+def _prompt() -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+
+
+def _step(forward, cache, token: torch.Tensor, step: int) -> torch.Tensor:
+    """One greedy step fed as ``generate`` feeds it (with position ids): the step's logits."""
+    return forward(input_ids=token, **{CACHE_KWARG: cache}, use_cache=True,
+                   position_ids=torch.tensor([[PROMPT + step]])).logits
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled_against_eager(family: str, scheme: str, fullgraph: bool) -> None:
+    """Prefill and 9 steps, compiled and eager side by side (each step's token from the eager logits, so both
+    sides see the same inputs); from the fourth step on a recompile raises."""
+    model = _model(family, scheme)
+    compiled = torch.compile(model.forward, backend="eager", fullgraph=fullgraph)
+    compiled_cache, eager_cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    with torch.no_grad():
+        got = compiled(input_ids=_prompt(), **{CACHE_KWARG: compiled_cache}, use_cache=True).logits
+        want = model(input_ids=_prompt(), **{CACHE_KWARG: eager_cache}, use_cache=True).logits
+        torch.testing.assert_close(got, want, msg=lambda m: f"prefill: {m}")
+        for step in range(9):
+            token = want[:, -1:].argmax(-1)
+            # the second step's new length makes the lengths dynamic (one recompile); none after that
+            with torch._dynamo.config.patch(error_on_recompile=step >= 3):
+                got = _step(compiled, compiled_cache, token, step)
+            want = _step(model, eager_cache, token, step)
+            torch.testing.assert_close(got, want, msg=lambda m, step=step: f"step {step}: {m}")
+
+
+@pytest.mark.parametrize(("family", "scheme"), [pytest.param("llama", s, id=f"llama-{s}") for s in
+                                                ("alibi", "t5", "fire")])
+def test_decoding_compiles_to_one_graph_and_never_recompiles(family: str, scheme: str) -> None:
+    _compiled_against_eager(family, scheme, fullgraph=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "scheme"), [pytest.param(f, s, id=f"{f}-{s}") for f, s in ONE_GRAPH])
+def test_decoding_compiles_to_one_graph_across_the_matrix(family: str, scheme: str) -> None:
+    _compiled_against_eager(family, scheme, fullgraph=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "scheme"), [pytest.param(f, s, id=f"{f}-{s}") for f, s in BREAKS_GRAPH])
+def test_decoding_with_graph_breaks_stays_right_without_recompiling(family: str, scheme: str) -> None:
+    _compiled_against_eager(family, scheme, fullgraph=False)
+
+
+def _generate(model: torch.nn.Module, new_tokens: int, compiled: bool) -> torch.Tensor:
+    settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                    cache_implementation="static")
+    if compiled:  # generate's own compilation, which it does by itself on a GPU with a static cache
+        config = CompileConfig(backend="eager")
+        config._compile_all_devices = True
+        settings["compile_config"] = config
+    else:
+        settings["disable_compile"] = True
+    with torch.no_grad():
+        return model.generate(_prompt(), **settings)
+
+
+def _graphs_of_compiled_generate(model: torch.nn.Module, new_tokens: int) -> tuple[int, torch.Tensor]:
+    torch._dynamo.reset()
+    counters.clear()
+    tokens = _generate(model, new_tokens, compiled=True)
+    return counters["stats"]["unique_graphs"], tokens
+
+
+@pytest.mark.parametrize("scheme", ["alibi", pytest.param("t5", marks=pytest.mark.slow),
+                                    pytest.param("kerple", marks=pytest.mark.slow)])
+def test_generate_with_a_static_cache_compiles_once(scheme: str) -> None:
+    model = _model("llama", scheme)
+    short, _ = _graphs_of_compiled_generate(model, 4)
+    long, tokens = _graphs_of_compiled_generate(model, 14)
+    assert long == short, f"{long} graphs for 14 new tokens, {short} for 4: the model recompiles as it decodes"
+    assert torch.equal(tokens, _generate(model, 14, compiled=False))
+
+
+def test_native_model_compiles_as_before() -> None:
+    """The reference the counts above are read against: the unswapped LLaMA, one graph for any length."""
+    model = _model("llama", None)
+    short, _ = _graphs_of_compiled_generate(model, 4)
+    long, tokens = _graphs_of_compiled_generate(model, 14)
+    assert long == short
+    assert torch.equal(tokens, _generate(model, 14, compiled=False))
