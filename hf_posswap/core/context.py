@@ -39,7 +39,7 @@ from ..transformers_internals import (
     self_attention_layers,
 )
 from .forward_check import ForwardCheck, new_tokens
-from .forward_memo import CompiledMemo, new_memo
+from .forward_memo import CompiledMemo, ForwardMemo, new_memo
 from .input_positions import (
     check_attention_mask,
     check_position_ids,
@@ -102,7 +102,7 @@ class PositionContext:
     #: are what it depends on. A key names a tensor (a mask, position rows) by ``schemes.base.pinned_id``, which keeps
     #: the tensor alive in the memo (its id is unique only while it lives). Dropped with the forward; empty under
     #: torch.compile (core/forward_memo.py).
-    memo: dict | CompiledMemo = field(default_factory=new_memo)
+    memo: ForwardMemo | CompiledMemo = field(default_factory=new_memo)
 
     #: explicit per-row positions [B, q] (position ids passed without cache or padding, e.g. PoSE training)
     row_positions: torch.Tensor | None = None

@@ -24,26 +24,33 @@ from .kept_rows import kept_row
 
 
 def sandwich_distance_table(count: int, dim: int, base: float, num_heads: int, device: torch.device) -> torch.Tensor:
-    """The bias for distances 0..count-1 per head: [num_heads, count] float32 (formula in the module docstring).
+    """The bias for distances 0..count-1 per head: [num_heads, count] float32 (formula in the module docstring)."""
+    return sandwich_bias_at(torch.arange(count, device=device), dim, base, num_heads)
+
+
+def sandwich_bias_at(distance: torch.Tensor, dim: int, base: float, num_heads: int) -> torch.Tensor:
+    """The bias at the distances ``distance`` [n] (>= 0) per head: [num_heads, n] float32.
 
     Computed in float64 where the device has it: the angles ``distance * w_k`` of long contexts lose digits in
     float32."""
+    device = distance.device
     wide = torch.float64 if device.type != "mps" else torch.float32
     k = torch.arange(1, dim // 2 + 1, dtype=wide, device=device)
     inv_freq = base ** (-2.0 * k / dim)  # [d̄/2]
-    distance = torch.arange(count, dtype=wide, device=device)
-    inner = torch.cos(distance[:, None] * inv_freq[None, :]).sum(-1) - dim / 2  # p_i·p_j - d̄/2: [count]
+    inner = torch.cos(distance.to(wide)[:, None] * inv_freq[None, :]).sum(-1) - dim / 2  # p_i·p_j - d̄/2: [n]
     compression = torch.arange(1, num_heads + 1, dtype=wide, device=device) * 8.0 / num_heads  # 8h/H: [H]
     return (inner[None, :] / compression[:, None]).to(torch.float32)
 
 
-def _distance_bound(query_pos: torch.Tensor, key_pos: torch.Tensor, distance: torch.Tensor) -> int:
-    """The largest distance of ``distance`` [..., q, kv] or a bound of it. Under ``torch.compile``, for the
-    library's index positions ([q] and [kv], runs of consecutive integers whose keys end at or after the last
-    query), every distance is below q + kv: the sizes bound it without reading the tensor (a graph break)."""
-    if torch.compiler.is_compiling() and query_pos.dim() == 1 and key_pos.dim() == 1:
-        return query_pos.shape[0] + key_pos.shape[0]
-    return int(distance.max())
+def _compiled_bias(query_pos: torch.Tensor, key_pos: torch.Tensor, dim: int, base: float,
+                   num_heads: int) -> torch.Tensor:
+    """The bias [H, q, kv] of index positions (runs of consecutive integers, [q] and [kv]) without reading them, for
+    ``torch.compile`` (sizing a table by the largest distance would break the graph): their q + kv - 1 differences
+    i - j are the consecutive integers from query_pos[0] - key_pos[-1] up, so a table over those is exact."""
+    lowest = query_pos[0] - key_pos[-1]  # the smallest i - j
+    signed = lowest + torch.arange(query_pos.shape[0] + key_pos.shape[0] - 1, device=query_pos.device)  # every i - j
+    table = sandwich_bias_at(signed.abs(), dim, base, num_heads)  # [H, q + kv - 1]
+    return table[:, query_pos[:, None] - key_pos[None, :] - lowest]  # [H, q, kv]
 
 
 class SandwichBias(BiasPositions):
@@ -60,9 +67,11 @@ class SandwichBias(BiasPositions):
     ) -> torch.Tensor:
         # query_pos [q], key_pos [kv] -> [1, H, q, kv]  (or [B, q], [B, kv] -> [B, H, q, kv])
         # cos is even: the bias is symmetric, so causal and bidirectional attention use the same |i - j|
+        if torch.compiler.is_compiling() and query_pos.dim() == 1:
+            return _compiled_bias(query_pos, key_pos, self.dim, self.base, self.num_heads).unsqueeze(0)
         distance = (query_pos[..., :, None] - key_pos[..., None, :]).abs().long()  # [..., q, kv]
-        table = sandwich_distance_table(_distance_bound(query_pos, key_pos, distance) + 1, self.dim, self.base,
-                                        self.num_heads, distance.device)  # [H, max distance + 1]
+        table = sandwich_distance_table(int(distance.max()) + 1, self.dim, self.base, self.num_heads,
+                                        distance.device)  # [H, max distance + 1]
         bias = table[:, distance]  # [H, ..., q, kv]
         return bias.movedim(0, -3) if bias.dim() == 4 else bias.unsqueeze(0)
 

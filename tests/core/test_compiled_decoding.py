@@ -13,7 +13,9 @@ minutes of code generation, not other graphs):
   first steps have made the lengths dynamic, later steps never recompile (``error_on_recompile`` raises);
 - the logits equal eager decoding's at every step;
 - ``generate`` with a static cache and its own compilation: the same tokens as eager ``generate``, and as many
-  graphs for 14 new tokens as for 4 (the static cache's length is read once a forward: one graph break).
+  graphs for 14 new tokens as for 4 (the static cache's length is read once a forward: one graph break);
+- regional compilation (each decoder layer compiled, the forward eager) gives the eager numbers, and Sandwich's
+  compiled table covers positions far apart (a context-parallel ring's blocks).
 
 Rotary schemes inside attention (RoPE on GPT-2, xPos, a layer mix with RoPE parts) and learned tables beyond the
 checkpoint's range still break the graph (they read the cache's rotated-key records and the positions' values);
@@ -29,6 +31,8 @@ from conftest import VOCAB, make_model, swapped
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, DynamicCache
 
+from hf_posswap.schemes import SCHEME_REGISTRY
+from hf_posswap.schemes.base import ModelSpec
 from hf_posswap.transformers_internals import CACHE_KWARG
 
 #: (family, scheme) pairs whose cached decoding compiles to one graph (fullgraph)
@@ -139,3 +143,32 @@ def test_native_model_compiles_as_before() -> None:
     long, tokens = _graphs_of_compiled_generate(model, 14)
     assert long == short
     assert torch.equal(tokens, _generate(model, 14, compiled=False))
+
+
+@pytest.mark.parametrize("scheme", ["t5", pytest.param("alibi", marks=pytest.mark.slow),
+                                    pytest.param("sandwich", marks=pytest.mark.slow)])
+def test_regional_compilation_matches_eager(scheme: str) -> None:
+    """Each decoder layer compiled, the model's forward eager (regional compilation): the forward's memo is made
+    eagerly and read inside compiled layers, where a tensor's id() is not its own. Gemma 3's sliding and full layers
+    get different masks of one shape, which a memo keyed by id() would hand from one kind of layer to the other;
+    a left-padded batch past the sliding window shows it."""
+    model = swapped("gemma3_text", scheme).eval()
+    ids = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        for layer in model.base_model.layers:
+            layer.compile(backend="eager")
+        got = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(got[:, 3:], want[:, 3:])
+
+
+def test_sandwich_compiled_bias_of_positions_far_apart() -> None:
+    """Under compilation Sandwich's table covers exactly the call's differences i - j, wherever the runs sit: queries
+    far after their keys (a context-parallel ring's block of an earlier rank's keys) included."""
+    spec = ModelSpec("llama", 64, 2, 4, 2, 16, True, 64, 0.02, 10_000.0, torch.float32, torch.device("cpu"))
+    module = SCHEME_REGISTRY.get("sandwich")().resolve(spec).build(spec)
+    compiled = torch.compile(lambda q, k: module(q, k, 0, True, None), backend="eager", fullgraph=True)
+    for queries, keys in [(torch.arange(16, 23), torch.arange(0, 8)), (torch.arange(0, 5), torch.arange(3, 40))]:
+        torch.testing.assert_close(compiled(queries, keys), module(queries, keys, 0, True, None))
