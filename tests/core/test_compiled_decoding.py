@@ -31,6 +31,7 @@ from conftest import VOCAB, make_model, swapped
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, DynamicCache
 
+import hf_posswap as ps
 from hf_posswap.schemes import SCHEME_REGISTRY
 from hf_posswap.schemes.base import ModelSpec
 from hf_posswap.transformers_internals import CACHE_KWARG
@@ -41,13 +42,24 @@ ONE_GRAPH = [
     ("llama", "rope"), ("llama", "sinusoidal"), ("llama", "none"), ("llama", "proportional"),
     ("gpt2", "alibi"), ("gpt2", "t5"), ("gpt2", "fire"), ("phi3", "kerple"), ("gpt_neox", "t5"),
 ]  # (not gemma3: its sliding layers' cache recompiles the native model too when the window fills)
+#: models made otherwise than by one scheme's swap
+BUILT = {
+    "self_extend": lambda model: ps.extend_context(model, 128, "self_extend", neighbor_window=4, group_size=3),
+    "llama4_irope": lambda model: ps.swap(model, ps.llama4_irope(model, no_rope_layer_interval=2, floor_scale=4)),
+    "head_mix": lambda model: ps.swap(model, ps.HeadMix(bias="alibi", rotary="rope")),
+}
 #: pairs that still break the graph: decoding stays right and does not recompile per step
-BREAKS_GRAPH = [("gpt2", "rope"), ("llama", "xpos"), ("llama", "layer_mix"), ("llama", "learned")]
+BREAKS_GRAPH = [("gpt2", "rope"), ("llama", "xpos"), ("llama", "layer_mix"), ("llama", "learned"),
+                *(("llama", name) for name in BUILT)]
 PROMPT = 8
 
 
 def _model(family: str, scheme: str | None) -> torch.nn.Module:
-    model = make_model(family) if scheme is None else swapped(family, scheme)
+    if scheme in BUILT:
+        model = make_model(family)
+        BUILT[scheme](model)
+    else:
+        model = make_model(family) if scheme is None else swapped(family, scheme)
     return model.eval()
 
 
