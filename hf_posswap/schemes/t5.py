@@ -99,9 +99,8 @@ class T5RelativeBias(BiasPositions):
         # query_pos [q], key_pos [kv] -> [1, H, q, kv]  (or [B, q], [B, kv] -> [B, H, q, kv])
         table = self.tables[0] if len(self.tables) == 1 else self.tables[layer_idx]
         needs_grad = table.weight.requires_grad and torch.is_grad_enabled()
-        weight = table.weight.to(torch.float32).t()  # [num_buckets, H] -> [H, num_buckets]
         if torch.compiler.is_compiling():  # kept rows and memo keys read the positions' values: computed in-graph
-            return _bias_from(weight, self._computed_buckets(query_pos, key_pos, causal))
+            return _bias_from(table, self._computed_buckets(query_pos, key_pos, causal))
         index_positions = query_pos.dim() == 1 and memo is not None  # the library's: ranges (see BiasPositions)
         if index_positions and query_pos.shape[0] == 1 and not needs_grad:
             first = int(key_pos[0]) - int(query_pos[0])
@@ -124,7 +123,7 @@ class T5RelativeBias(BiasPositions):
             buckets = self._computed_buckets(query_pos, key_pos, causal)
         if memo is not None:
             memo[memo_key] = buckets
-        return _bias_from(weight, buckets)
+        return _bias_from(table, buckets)
 
     def _computed_buckets(self, query_pos: torch.Tensor, key_pos: torch.Tensor, causal: bool) -> torch.Tensor:
         """Bucket ids [q, kv] (or [B, q, kv]) computed from the positions."""
@@ -239,9 +238,9 @@ class T5RelativeBias(BiasPositions):
         return f"num_buckets={self.num_buckets}, max_distance={self.max_distance}, tables={len(self.tables)}"
 
 
-def _bias_from(weight: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
-    """The table's bias at the bucket ids: weight [H, num_buckets], buckets [q, kv] or [B, q, kv] ->
-    [B or 1, H, q, kv]."""
+def _bias_from(table: nn.Embedding, buckets: torch.Tensor) -> torch.Tensor:
+    """The table's bias at the bucket ids: buckets [q, kv] or [B, q, kv] -> [B or 1, H, q, kv] (float32)."""
+    weight = table.weight.to(torch.float32).t()  # [num_buckets, H] -> [H, num_buckets]
     bias = _GatherBuckets.apply(weight, buckets)  # [H, ..., q, kv]
     return bias.movedim(0, -3) if bias.dim() == 4 else bias.unsqueeze(0)
 
