@@ -7,6 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import VOCAB, swapped
+from packaging.version import Version
+
+from hf_posswap.transformers_internals import RUNNING
 
 SCHEMES = ["alibi", "t5", "fire", "kerple"]
 
@@ -49,3 +52,24 @@ def test_a_flattened_batch_never_shows_a_token_the_tokens_after_it(scheme: str) 
         first = model(**flattened(rows), use_cache=True).logits[:, :9]
         again = model(**flattened(changed), use_cache=True).logits[:, :9]
     torch.testing.assert_close(first, again, atol=0, rtol=0)
+
+
+#: the first position id of a sequence: RoBERTa numbers tokens from padding_idx + 1
+FIRST_POSITION = {"bert": 0, "roberta": 2}
+
+
+@pytest.mark.skipif(RUNNING < Version("5.25.0"), reason="transformers masks packed encoder rows from 5.25 on")
+@pytest.mark.parametrize("scheme", [*SCHEMES, "rope", "learned", "sinusoidal"])
+@pytest.mark.parametrize("family", sorted(FIRST_POSITION))
+def test_a_flattened_encoder_batch_gives_every_sequence_its_own_output(family: str, scheme: str) -> None:
+    """From transformers 5.25 an encoder given restarting position ids and no mask masks attention between the
+    sequences, as a decoder does; every scheme then gives each sequence the output it has alone (positions read
+    from the ids, the block mask honoured by the bias and rotary paths)."""
+    model = swapped(family, scheme)
+    rows = sequences()
+    batch = flattened(rows)
+    batch["position_ids"] += FIRST_POSITION[family]
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        alone = torch.cat([model(input_ids=row[None]).logits for row in rows], dim=1)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-4)
