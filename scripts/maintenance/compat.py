@@ -174,6 +174,9 @@ def install_newest_transformers(venv: Path, pip: list[str], log: Path) -> list[s
     missing = sorted(set(re.findall(r"requires ([A-Za-z0-9_.-]+), which is not installed", check.stdout)))
     print(f"[latest] transformers {newest} installed without its dependencies; missing here: "
           f"{', '.join(missing) or 'none'}", flush=True)
+    for problem in check.stdout.splitlines():  # an installed dependency of the wrong release shows up here too
+        if "which is not installed" not in problem and problem.strip():
+            print(f"[latest]   pip check: {problem.strip()}", flush=True)
     return missing
 
 
