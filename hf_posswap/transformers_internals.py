@@ -20,7 +20,9 @@ old name saw no cache and computed wrong logits without a word). So:
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import inspect
+import os
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -80,6 +82,33 @@ def warn_if_untested() -> None:
 
 class UntestedTransformersWarning(UserWarning):
     """The installed transformers is outside the window hf_posswap was tested with."""
+
+
+#: the first release whose ``from_pretrained`` kernelizes by default (``use_kernels=None`` means on)
+KERNELS_BY_DEFAULT = Version("5.25.0")
+
+
+def hub_kernels_state() -> str:
+    """What ``from_pretrained`` does with hub kernels in this environment, in words (for the doctor's report).
+
+    From transformers 5.25 ``from_pretrained`` kernelizes by default where the ``kernels`` package is installed
+    (hub kernels then replace layers such as LLaMA's rotary application on CUDA), and without a release of it that
+    transformers accepts it raises unless the ``USE_HUB_KERNELS`` switch turns them off."""
+    if RUNNING < KERNELS_BY_DEFAULT:
+        return "off unless asked for (use_kernels=True)"
+    switch = os.environ.get("USE_HUB_KERNELS", "YES")
+    if switch.lower() not in ("true", "1", "y", "yes", "on"):  # transformers' own reading of the switch
+        return f"off (USE_HUB_KERNELS={switch})"
+    try:
+        version = importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return "kernels is not installed: from_pretrained raises unless USE_HUB_KERNELS=NO"
+    from transformers.utils.import_utils import is_kernels_available
+
+    if not is_kernels_available():
+        return (f"kernels {version} is not a release transformers accepts: from_pretrained raises unless "
+                "USE_HUB_KERNELS=NO")
+    return f"on by default (kernels {version})"
 
 
 # --- the KV cache -----------------------------------------------------------------------------------------------

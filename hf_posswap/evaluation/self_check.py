@@ -116,6 +116,8 @@ class SelfCheckReport:
     versions: dict[str, str]
     results: list[CheckResult] = field(default_factory=list)
     seconds: float = 0.0
+    #: what from_pretrained does with hub kernels here (transformers 5.25 made them the default)
+    hub_kernels: str = ""
 
     @property
     def ok(self) -> bool:
@@ -132,6 +134,8 @@ class SelfCheckReport:
         cells = {(r.family, r.check, r.kind): "ok" if r.ok else ("n/a" if r.ok is None else "FAIL")
                  for r in self.results}
         lines = ["hf_posswap self-check: " + ", ".join(f"{name} {version}" for name, version in self.versions.items())]
+        if self.hub_kernels:
+            lines.append(f"hub kernels: {self.hub_kernels}")
         width = max(len(check) for check in CHECKS) + max(len(family) for family, *_ in cells) + 3
         lines.append(" " * width + "  ".join(f"{kind:>12}" for kind in kinds))
         for family in dict.fromkeys(r.family for r in self.results):
@@ -163,6 +167,7 @@ def self_check(families: str | tuple[str, ...] = FAMILIES) -> SelfCheckReport:
 
     from ..persistence.autoload import register
     from ..progress import library_bars
+    from ..transformers_internals import hub_kernels_state
 
     families = (families,) if isinstance(families, str) else tuple(families)
     unknown = [family for family in families if family not in FAMILIES]
@@ -171,7 +176,7 @@ def self_check(families: str | tuple[str, ...] = FAMILIES) -> SelfCheckReport:
                                  f"{', '.join(FAMILIES)}.")
     register()  # save/reload goes through the Auto classes, as a user's own code does
     start = time.perf_counter()
-    report = SelfCheckReport(versions())
+    report = SelfCheckReport(versions(), hub_kernels=hub_kernels_state())
     verbosity, threads = transformers_logging.get_verbosity(), torch.get_num_threads()
     transformers_logging.set_verbosity_error()
     torch.set_num_threads(1)  # tiny matrices: threads cost more than they give, and fight with other processes

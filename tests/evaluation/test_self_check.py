@@ -72,7 +72,7 @@ def test_doctor_prints_the_versions_and_exits_1_on_a_failure(monkeypatch, capsys
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "transformers " in out and "torch " in out and "peft " in out and "accelerate " in out
-    assert "all checks passed" in out
+    assert "all checks passed" in out and "\nhub kernels: " in out
     blind_hook(monkeypatch)
     assert main(["doctor"]) == 1
     out = capsys.readouterr().out
@@ -87,3 +87,25 @@ def test_unknown_or_no_families_are_refused(families) -> None:
 
 def test_one_family_may_be_named_alone() -> None:
     assert {r.family for r in self_check(families="gpt2").results} == {"gpt2"}
+
+
+def test_the_report_says_what_from_pretrained_does_with_hub_kernels(monkeypatch) -> None:
+    """transformers 5.25 kernelizes by default where ``kernels`` is installed and raises without it unless
+    ``USE_HUB_KERNELS`` turns them off: a doctor report from such an environment names the cause of its failures."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    from hf_posswap import transformers_internals as internals
+
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(internals, "RUNNING", Version("5.24.0"))
+    assert internals.hub_kernels_state() == "off unless asked for (use_kernels=True)"
+    monkeypatch.setattr(internals, "RUNNING", Version("5.25.0"))
+    monkeypatch.setenv("USE_HUB_KERNELS", "NO")
+    assert internals.hub_kernels_state() == "off (USE_HUB_KERNELS=NO)"
+    monkeypatch.delenv("USE_HUB_KERNELS")
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert internals.hub_kernels_state().startswith("kernels is not installed: from_pretrained raises")
