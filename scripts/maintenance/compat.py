@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -202,13 +203,15 @@ def newest_allowed(listing: str, declared: str) -> str | None:
     found = re.search(r"Available versions: (.*)", listing)
     if found is None:
         return None
-    releases = []
+    admitted = SpecifierSet(declared)
+    allowed = []
     for text in found.group(1).split(","):
         try:
-            releases.append(Version(text.strip()))
+            release = Version(text.strip())
         except InvalidVersion:
             continue
-    allowed = [release for release in releases if release in SpecifierSet(declared)]
+        if release in admitted:
+            allowed.append(release)
     return str(max(allowed)) if allowed else None
 
 
@@ -228,7 +231,7 @@ def installed(venv: Path) -> dict[str, str]:
     return json.loads(out)
 
 
-def environment(venv: Path, missing: list[str] = ()) -> dict[str, str]:
+def environment(venv: Path, missing: Sequence[str] = ()) -> dict[str, str]:
     """This process's environment, offline, with the venv's commands first and no other venv active, and the
     switches that let transformers run without the ``missing`` packages."""
     env = {key: value for key, value in os.environ.items() if key not in ("VIRTUAL_ENV", "PYTHONPATH")}
@@ -238,7 +241,7 @@ def environment(venv: Path, missing: list[str] = ()) -> dict[str, str]:
     return env
 
 
-def fast_suite(venv: Path, log: Path, missing: list[str] = ()) -> dict[str, int]:
+def fast_suite(venv: Path, log: Path, missing: Sequence[str] = ()) -> dict[str, int]:
     """Counts of the default (fast) pytest run: passed, failed (errors included), skipped."""
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "junit.xml"
@@ -258,7 +261,7 @@ def fast_suite(venv: Path, log: Path, missing: list[str] = ()) -> dict[str, int]
     return {"passed": total - failures - errors - skipped, "failed": failures + errors, "skipped": skipped}
 
 
-def doctor(venv: Path, log: Path, missing: list[str] = ()) -> str:
+def doctor(venv: Path, log: Path, missing: Sequence[str] = ()) -> str:
     """The doctor's verdict line ("all checks passed (...)" or "N check(s) FAILED (...)")."""
     result = subprocess.run([str(venv / "bin" / "hf-posswap"), "doctor"], capture_output=True, text=True,
                             env=environment(venv, missing))
