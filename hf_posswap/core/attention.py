@@ -84,7 +84,8 @@ def eager_attention(
 def merge_bias_and_mask(
     bias: torch.Tensor, attention_mask: torch.Tensor | None, causal_allowed: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """One additive float mask from a logit bias [.., q, kv] and transformers' mask (None, bool or float).
+    """One additive float mask from a logit bias [.., q, kv] and transformers' mask (None, bool or float); the eager
+    attention function passes its logits as ``bias`` (the same sum: masked logits).
 
     transformers may skip the mask of a causal model (sdpa then relies on ``is_causal``); ``causal_allowed``
     [q, kv] (True where a key is at or before the query) then stands in for it. Masked entries get the dtype's

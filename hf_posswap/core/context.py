@@ -49,28 +49,12 @@ from .input_positions import (
     reads_query_positions,
     row_shifts,
 )
+from .layer_plan import LayerPlan
 from .offload import onloaded
 from .rotary_cache import MARKER, refuse_foreign_rotation, rotates_once
 
 CONTEXT_KWARG = "posswap_context"
 POSITIONS_ATTR = "posswap_positions"
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """What a layer mix fixes at swap time, per layer: the kind of its part (``temperature``: a NoPE layer with
-    Llama 4's query temperature), the part's index (layers of one part share a memo), whether the part shares its
-    positions across its layers, and its two-pass settings (Self-Extend, ReRoPE)."""
-
-    kinds: tuple[str, ...]
-    parts: tuple[int, ...]
-    shared: tuple[bool, ...]
-    two_pass: tuple[TwoPassSettings | None, ...]  # per layer: the part's two-pass settings, or None
-
-    @property
-    def needs_padded_positions(self) -> bool:
-        """Self-Extend and the query temperature depend on absolute positions (padding must not count)."""
-        return "temperature" in self.kinds or any(settings is not None for settings in self.two_pass)
 
 
 #: what a context asks of attention (``core/attention.py``'s ``scheme_inputs`` dispatches on it): a scheme config's
@@ -96,18 +80,18 @@ class PositionContext:
     #: the two-pass attention settings (group, window, start) of Self-Extend and ReRoPE; None without them
     two_pass: TwoPassSettings | None = None
     #: what one forward computes once and every layer reuses (gradient-free: positions, bucket ids, merged masks,
-    #: rotation matrices, block masks). Keys are tuples whose first item names what is kept and who keeps it
-    #: ("positions", "layer-context", "part-memo" here; "t5-buckets", "t5-fused-*", "alibi-*" in the schemes; "rope-*"
-    #: in rotary_cache.py, "flex-*" in flex_bias.py, "self-extend-*", "ring-*", "mask" in core) and whose other items
-    #: are what it depends on. A key names a tensor (a mask, position rows) by ``schemes.base.pinned_id``, which keeps
+    #: rotation matrices, block masks). A key is a name of what is kept, prefixed by its keeper ("t5-", "alibi-",
+    #: "rope-", "flex-", "self-extend-", "ring-"), alone or as the first item of a tuple whose other items are what
+    #: the value depends on. A key names a tensor (a mask, position rows) by ``schemes.base.pinned_id``, which keeps
     #: the tensor alive in the memo (its id is unique only while it lives). Dropped with the forward; empty under
     #: torch.compile (core/forward_memo.py).
     memo: ForwardMemo | CompiledMemo = field(default_factory=new_memo)
 
     #: explicit per-row positions [B, q] (position ids passed without cache or padding, e.g. PoSE training)
     row_positions: torch.Tensor | None = None
-    #: per-row positions [B, kv] of a padded batch, from its 2D attention mask (set for Self-Extend only: its
-    #: grouping floor(pos / G) depends on absolute positions, so a left-padded row must not count its padding)
+    #: per-row positions [B, kv] of a padded batch, from its 2D attention mask (set for Self-Extend, whose grouping
+    #: floor(pos / G) depends on absolute positions, and for layer mixes with a query temperature: a left-padded
+    #: row must not count its padding)
     padded_positions: torch.Tensor | None = None
     #: per-row offsets [B] of positions from token indices (minus a left-padded row's padding), set where absolute
     #: positions matter: a bias that reads the query's position (FIRE's normaliser, :meth:`bias_positions`), and
@@ -270,22 +254,25 @@ class PositionInputs:
             refuse_foreign_rotation(cache, positions, self.kind, self.two_pass)
         else:
             _refuse_foreign_rotation_per_layer(cache, positions, self.layers)
+        passed_ids = kwargs.get("position_ids") is not None  # (not the index a family's prepare_inputs fills in)
         self.adapter.prepare_inputs(base, kwargs, query_offset)
         if self.adds_absolute and positions is not None:
             self._add_absolute(base, positions, kwargs, query_offset)
         context = None
         if self.feeds_attention:
-            context = self._context(base, positions, kwargs, query_offset, cache, shard)
+            context = self._context(base, positions, kwargs, query_offset, cache, shard, passed_ids)
             kwargs[CONTEXT_KWARG] = context
         return (), kwargs, ForwardCheck(cache is not None, new_tokens(kwargs), context)
 
     def _context(
         self, base: nn.Module, positions: nn.Module | None, kwargs: dict[str, Any], query_offset: int, cache: Any,
-        shard: Any
+        shard: Any, passed_ids: bool
     ) -> PositionContext:
-        """The position context every attention call of this forward reads."""
+        """The position context every attention call of this forward reads (``passed_ids``: the caller passed
+        ``position_ids``; else attention reads the token index)."""
         # under context parallelism the shard carries the whole sequence's position ids (RingShard.explicit)
-        row_positions = None if shard is not None else explicit_positions(kwargs, query_offset, cache)
+        explicit = shard is None and passed_ids
+        row_positions = explicit_positions(kwargs, query_offset, cache) if explicit else None
         if row_positions is not None:  # a family's own numbering (RoBERTa's from padding_idx + 1) counted from 0
             row_positions = counted_from_zero(row_positions, self.adapter.first_position_id(base), self.adapter.name)
         needs_padded = self.two_pass is not None or (self.layers is not None and self.layers.needs_padded_positions)

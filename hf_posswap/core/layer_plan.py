@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -26,7 +27,24 @@ from ..schemes.rope import RopeConfig
 from ..schemes.rope_scaling import SCALING_REGISTRY, RopeScaling
 from ..schemes.two_pass import TwoPassSettings
 from ..transformers_internals import config_rope_parameters
-from .context import LayerPlan
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What a layer mix fixes at swap time, per layer: the kind of its part (``temperature``: a NoPE layer with
+    Llama 4's query temperature), the part's index (layers of one part share a memo), whether the part shares its
+    positions across its layers, and its two-pass settings (Self-Extend, ReRoPE)."""
+
+    kinds: tuple[str, ...]
+    parts: tuple[int, ...]
+    shared: tuple[bool, ...]
+    two_pass: tuple[TwoPassSettings | None, ...]  # per layer: the part's two-pass settings, or None
+
+    @property
+    def needs_padded_positions(self) -> bool:
+        """Self-Extend and the query temperature depend on absolute positions (padding must not count)."""
+        return "temperature" in self.kinds or any(settings is not None for settings in self.two_pass)
+
 
 #: transformers rope types that hf_posswap's scalings express with the same fields
 NATIVE_SCALINGS = ("linear", "dynamic", "yarn", "longrope", "llama3")

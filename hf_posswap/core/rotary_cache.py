@@ -6,11 +6,13 @@ cache per layer and step (0.74x native tokens/s), so a key is rotated once, *in 
 layer records how many leading slots hold rotated keys and with which rotation (:class:`RotatedKeys`, a layer
 attribute that ``copy.deepcopy`` carries). Later steps rotate only the new tail, with cos/sin made once per forward.
 
-Keys are rotated in place (:func:`cache_layer`) for a length-independent rotation (not dynamic NTK, LongRoPE or
-Self-Extend), in a cache layer that is not sliding, whose key tensor is memory it made itself (transformers' layers
-copy what they store) and whose slots are indexed by position; everything else rotates every key at every step, out
-of place. Queries are always rotated out of place: they may be views of a projection's output that a forward hook
-holds.
+Keys are rotated in place (:func:`cache_layer` picks the layers) for a length-independent rotation (not dynamic
+NTK, LongRoPE or Self-Extend), in a cache layer that is not sliding, whose key tensor is memory it made itself
+(transformers' layers copy what they store) and whose slots are indexed by position; everything else rotates every
+key at every step, out of place. So does compiled code in a layer with no record: reading and writing the record
+are host work that would break the graph in every layer and step, and inductor fuses the rotation into the step's
+graph; a layer an eager forward recorded is continued as recorded. Queries are always rotated out of place: they
+may be views of a projection's output that a forward hook holds.
 
 Why the record stays right: beam search (``reorder_cache``), ``batch_select_indices`` and ``batch_repeat_interleave``
 move rows, not positions; ``crop`` (assisted decoding) and ``reset`` shorten the layer, and only ``min(count,
@@ -44,7 +46,7 @@ from ..transformers_internals import (
     layer_length,
     self_attention_layers,
 )
-from .rotation import rotate_pairs, rotate_pairs_
+from .rotation import rotate_pairs, rotate_pairs_, rotation_matrices
 
 #: attribute of a transformers cache layer that records its rotated slots
 MARKER = "posswap_rotated_keys"
@@ -146,7 +148,7 @@ def _step_matrix(context: Any, position: int, device: torch.device, dtype: torch
                 or not 0 <= position - block[4] < len(block[5]):
             with torch.no_grad():
                 cos, sin = scheme(torch.arange(position, position + STEP_BLOCK, device=device))  # [n, r] each
-                matrices = _rotation_matrices(cos.to(dtype), sin.to(dtype), dim)  # [n, D, D]
+                matrices = rotation_matrices(cos.to(dtype), sin.to(dtype), dim)  # [n, D, D]
             block = (signature, dtype, dim, device, position, matrices.unbind(0))
             _STEP_MATRICES[scheme] = block
         found = block[5][position - block[4]]  # (a list: no tensor op to pick one)
@@ -215,39 +217,8 @@ def _rotation_matrix(context: Any, cos: torch.Tensor, sin: torch.Tensor, dim: in
     memo_key = ("rope-matrix", pinned_id(context.memo, cos), dim, dtype)
     found = context.memo.get(memo_key)
     if found is None:
-        found = context.memo[memo_key] = _rotation_matrices(cos.to(dtype), sin.to(dtype), dim)[0]
+        found = context.memo[memo_key] = rotation_matrices(cos.to(dtype), sin.to(dtype), dim)[0]
     return found
-
-
-def _rotation_matrices(cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
-    """R [n, D, D] for cos, sin [n, r]: rotate_half(x) = x @ J, so R = diag(cos) + J * sin (column j scaled by
-    sin_j): entries cos_j on the diagonal, -sin_j at (j + h, j) and sin_j at (j - h, j), exactly; the identity on
-    the dims past r (partial rotary)."""
-    rotary_dim = cos.shape[-1]
-    found = torch.diag_embed(cos).addcmul_(_half_turn(rotary_dim, cos.dtype, cos.device), sin[:, None, :])
-    if rotary_dim < dim:  # [n, r, r] -> [n, D, D]
-        found = torch.nn.functional.pad(found, (0, dim - rotary_dim, 0, dim - rotary_dim))
-        found[:, rotary_dim:, rotary_dim:] = torch.eye(dim - rotary_dim, dtype=cos.dtype, device=cos.device)
-    return found
-
-
-def _half_turn(rotary_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """J [r, r] with x @ J = rotate_half(x) = cat(-x2, x1): J[j + h, j] = -1 and J[j, j + h] = 1 for j < h.
-    A constant, made once per (r, dtype, device)."""
-    key = (rotary_dim, dtype, device)
-    found = _HALF_TURNS.get(key)
-    if found is None:
-        half = rotary_dim // 2
-        found = torch.zeros(rotary_dim, rotary_dim, dtype=dtype, device=device)
-        index = torch.arange(half, device=device)
-        found[index + half, index] = -1
-        found[index, index + half] = 1
-        _HALF_TURNS[key] = found
-    return found
-
-
-#: (rotary dims, dtype, device) -> J of :func:`_half_turn`; a handful of small constant matrices
-_HALF_TURNS: dict = {}
 
 
 def _row_angles(
@@ -276,6 +247,8 @@ def cache_layer(module: nn.Module, query: torch.Tensor, key: torch.Tensor, conte
         return None
     if key.dim() != 4 or key.shape[2] < context.query_offset + query.shape[2]:  # slot index != position
         return None
+    if torch.compiler.is_compiling() and getattr(layer, MARKER, None) is None:
+        return None  # compiled, no record: every key rotated out of place in the graph (see the module's docstring)
     return layer if _made_by_cache(key, query) else None
 
 

@@ -32,9 +32,9 @@ BUNDLED = (
     "families/base", "families/gpt2", "families/bert", "families/llama", "families/gemma3",
     "families/phi3", "families/gpt_neox", "families/roberta", "core/state", "core/native", "core/rotation",
     "core/rotary_cache", "core/input_positions", "core/forward_check", "core/forward_memo", "core/offload",
-    "core/context", "core/paths",
+    "core/layer_plan", "core/context", "core/paths",
     "core/two_pass_fused", "core/self_extend", "core/flex_bias", "core/attention",
-    "core/layer_plan", "core/swap", "core/learned_tables", "core/extend",
+    "core/swap", "core/learned_tables", "core/extend",
     "persistence/autoload", "persistence/restore",
 )
 _RELATIVE_IMPORT = re.compile(r"^[ \t]*from \.+[\w.]* import (\([^)]*\)|[^\n]*)\n", re.MULTILINE)

@@ -2,7 +2,7 @@
 scheme registry, and the three module contracts (absolute, rotary, bias).
 
 A scheme is *what* is computed; where it goes inside a model is the family adapter's business
-(``hf_posswap.families``). See DESIGN.md §2.
+(``hf_posswap.families``). See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -192,7 +192,9 @@ class AbsolutePositions(nn.Module):
 
 
 class RotaryPositions(nn.Module):
-    """forward: (positions [P], current sequence length) -> (cos, sin), each [P, rotary_dim], rotate-half layout.
+    """forward: (positions [P] or per-row [B, P], current sequence length) -> (cos, sin), each [P, rotary_dim]
+    (per-row: [B, P, rotary_dim]), rotate-half layout. A scheme that scales queries and keys differently (xPos:
+    ``scales_keys``) also takes ``keys`` and the ``reference`` position both count from.
 
     Scheme modules are always *called* (never a method looked up on them), so wrappers such as peft's
     ``ModulesToSaveWrapper`` dispatch to the trained copy.
@@ -205,7 +207,8 @@ class RotaryPositions(nn.Module):
 
 
 class BiasPositions(nn.Module):
-    """forward: (query positions [q], key positions [kv], layer index, causal, memo) -> logit bias [1, H, q, kv].
+    """forward: (query positions [q], key positions [kv], layer index, causal, memo) -> logit bias [1, H, q, kv];
+    per-row positions ([B, q], [B, kv]: explicit or padded positions) give [B, H, q, kv].
 
     ``memo`` is a per-forward dict where a scheme may keep gradient-free intermediates (bucket ids) for the
     next layer; it may be ``None``. The library passes one, and with it 1-D positions are always index positions:

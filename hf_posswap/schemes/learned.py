@@ -41,13 +41,19 @@ class LearnedPositions(AbsolutePositions):
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         # [B, L] -> [B, L, hidden]
-        if position_ids.numel() and int(position_ids.max()) >= self.max_positions:
-            raise IndexError(
-                f"Position {int(position_ids.max())} is past the end of the learned position table "
-                f"({self.max_positions} positions). Grow it with hf_posswap.swap(model, "
-                f"LearnedConfig(max_positions=...)) or use a scheme without a length limit."
-            )
+        if position_ids.numel() and torch.compiler.is_compiling():
+            # reading the largest position on the host would break the graph once per forward; the check runs in
+            # the graph instead (on a GPU asynchronously, as nn.Embedding's own index check does there)
+            torch._assert_async(position_ids.max() < self.max_positions, self._past_the_end("A position"))
+        elif position_ids.numel() and int(position_ids.max()) >= self.max_positions:
+            raise IndexError(self._past_the_end(f"Position {int(position_ids.max())}"))
         return nn.functional.embedding(position_ids, self.weight)
+
+    def _past_the_end(self, which: str) -> str:
+        return (
+            f"{which} is past the end of the learned position table ({self.max_positions} positions). Grow it with "
+            "hf_posswap.swap(model, LearnedConfig(max_positions=...)) or use a scheme without a length limit."
+        )
 
     def extra_repr(self) -> str:
         return f"max_positions={self.max_positions}, hidden_size={self.weight.shape[1]}"

@@ -78,11 +78,15 @@ class XposEmbedding(RotaryPositions):
         self.rotary_dim = head_dim
         self.register_buffer("inv_freq", default_inv_freq(rope_theta, head_dim))
         self.register_buffer("zeta", xpos_zeta(head_dim))
+        self._log_smallest = _log_smallest_zeta(head_dim)
 
     @property
     def max_span(self) -> int:
         """The largest |position - reference| whose factors stay within range for the model's dtype."""
-        return xpos_max_span(self.head_dim, self.scale_base, self._dtype_probe.dtype)
+        log_smallest = self.__dict__.get("_log_smallest")  # kept by __init__: compiled code reads it as a constant
+        if log_smallest is None:
+            log_smallest = self.__dict__["_log_smallest"] = _log_smallest_zeta(self.head_dim)
+        return int(_span_per_scale_base(self.head_dim, self._dtype_probe.dtype, log_smallest) * self.scale_base)
 
     def frequencies(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
         """inv_freq [d / 2] and the attention factor (1: xPos scales per pair instead), as RoPE's module answers."""
@@ -118,6 +122,14 @@ class XposEmbedding(RotaryPositions):
         """Refuse positions whose factors would leave float32's comfortable range (they overflow near 2^126)."""
         if power.is_meta or not power.numel():
             return
+        if torch.compiler.is_compiling():  # checked in the graph: a host read would break it once per call
+            torch._assert_async(
+                power.abs().max() * self.scale_base <= self.max_span,
+                f"xPos with scale_base={self.scale_base:g} got a position more than {self.max_span} tokens from "
+                f"the reference, beyond what {str(self._dtype_probe.dtype).removeprefix('torch.')} keeps finite. "
+                "Use shorter inputs, or swap with a larger XposConfig(scale_base=...).",
+            )
+            return
         farthest = float(power.abs().max()) * self.scale_base
         if farthest > self.max_span:
             needed = farthest * self.scale_base / self.max_span
@@ -138,12 +150,19 @@ def xpos_max_span(head_dim: int, scale_base: float, dtype: torch.dtype = torch.f
     return int(_span_per_scale_base(head_dim, dtype) * scale_base)
 
 
-def _span_per_scale_base(head_dim: int, dtype: torch.dtype) -> float:
-    """The span :func:`xpos_max_span` gives per unit of gamma (the span is proportional to it)."""
-    with torch.device("cpu"):  # a model built on the meta device (from_pretrained) has no values to read
-        smallest = float(xpos_zeta(head_dim)[0])
+def _span_per_scale_base(head_dim: int, dtype: torch.dtype, log_smallest: float | None = None) -> float:
+    """The span :func:`xpos_max_span` gives per unit of gamma (the span is proportional to it); ``log_smallest``:
+    :func:`_log_smallest_zeta` of ``head_dim`` when the caller keeps it."""
+    if log_smallest is None:
+        log_smallest = _log_smallest_zeta(head_dim)
     bits = MAX_EXPONENT_BITS.get(dtype, DEFAULT_EXPONENT_BITS)
-    return bits * math.log(2) / -math.log(smallest)
+    return bits * math.log(2) / -log_smallest
+
+
+def _log_smallest_zeta(head_dim: int) -> float:
+    """log of the smallest decay rate zeta_0 (it bounds the factors of a span)."""
+    with torch.device("cpu"):  # a model built on the meta device (from_pretrained) has no values to read
+        return math.log(float(xpos_zeta(head_dim)[0]))
 
 
 @register_scheme

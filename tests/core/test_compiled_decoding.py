@@ -17,9 +17,11 @@ minutes of code generation, not other graphs):
 - regional compilation (each decoder layer compiled, the forward eager) gives the eager numbers, and Sandwich's
   compiled table covers positions far apart (a context-parallel ring's blocks).
 
-Rotary schemes inside attention (RoPE on GPT-2, xPos, a layer mix with RoPE parts) and learned tables beyond the
-checkpoint's range still break the graph (they read the cache's rotated-key records and the positions' values);
-compiled, they decode correctly without recompiling per step (checked last).
+Rotary schemes inside attention (RoPE on GPT-2, xPos, mixes with RoPE parts) compile to one graph too: compiled,
+a cache layer without an eager forward's record of rotated keys has every key rotated out of place, and a cache
+handed between eager and compiled forwards keeps eager's logits. A learned table checks its range inside the
+graph: compiled, a position past its end still raises with the fix named. Self-Extend still breaks the graph
+(its groups read positions on the host); compiled, it decodes correctly without recompiling per step.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ from hf_posswap.transformers_internals import CACHE_KWARG
 ONE_GRAPH = [
     ("llama", "alibi"), ("llama", "t5"), ("llama", "kerple"), ("llama", "sandwich"), ("llama", "fire"),
     ("llama", "rope"), ("llama", "sinusoidal"), ("llama", "none"), ("llama", "proportional"),
-    ("gpt2", "alibi"), ("gpt2", "t5"), ("gpt2", "fire"), ("phi3", "kerple"), ("gpt_neox", "t5"),
+    ("llama", "learned"), ("llama", "xpos"), ("llama", "layer_mix"), ("llama", "head_mix"), ("llama", "llama4_irope"),
+    ("gpt2", "alibi"), ("gpt2", "t5"), ("gpt2", "fire"), ("gpt2", "learned"), ("gpt2", "rope"), ("gpt2", "xpos"),
+    ("phi3", "kerple"), ("gpt_neox", "t5"),
 ]  # (not gemma3: its sliding layers' cache recompiles the native model too when the window fills)
 #: models made otherwise than by one scheme's swap
 BUILT = {
@@ -49,8 +53,7 @@ BUILT = {
     "head_mix": lambda model: ps.swap(model, ps.HeadMix(bias="alibi", rotary="rope")),
 }
 #: pairs that still break the graph: decoding stays right and does not recompile per step
-BREAKS_GRAPH = [("gpt2", "rope"), ("llama", "xpos"), ("llama", "layer_mix"), ("llama", "learned"),
-                *(("llama", name) for name in BUILT)]
+BREAKS_GRAPH = [("llama", "self_extend")]
 PROMPT = 8
 
 
@@ -184,3 +187,36 @@ def test_sandwich_compiled_bias_of_positions_far_apart() -> None:
     compiled = torch.compile(lambda q, k: module(q, k, 0, True, None), backend="eager", fullgraph=True)
     for queries, keys in [(torch.arange(16, 23), torch.arange(0, 8)), (torch.arange(0, 5), torch.arange(3, 40))]:
         torch.testing.assert_close(compiled(queries, keys), module(queries, keys, 0, True, None))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_compiled_learned_table_still_refuses_positions_past_its_end(family: str) -> None:
+    """The range check runs inside the graph (one graph, no host read of the positions), and still names the fix."""
+    model = _model(family, "learned")
+    compiled = torch.compile(model.forward, backend="eager", fullgraph=True)
+    table = model.config.max_position_embeddings
+    with torch.no_grad():
+        compiled(input_ids=_prompt(), position_ids=torch.arange(table - PROMPT, table)[None])
+        with pytest.raises(RuntimeError, match=r"past the end of the learned position table .*LearnedConfig"):
+            compiled(input_ids=_prompt(), position_ids=torch.arange(table - PROMPT + 1, table + 1)[None])
+
+
+@pytest.mark.parametrize(("family", "scheme"), [pytest.param("gpt2", "rope", id="gpt2-rope"),
+                                                pytest.param("llama", "xpos", id="llama-xpos", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("prefill", ["eager", "compiled"])
+def test_rotated_keys_continue_between_eager_and_compiled_forwards(family: str, scheme: str, prefill: str) -> None:
+    """Keys rotated inside attention: an eager forward stores them rotated in the cache and records it, a compiled
+    one (no record) rotates them out of place at every step. A cache handed back and forth keeps eager's logits:
+    neither rotates a key twice nor leaves one unrotated."""
+    model = _model(family, scheme)
+    compiled = torch.compile(model.forward, backend="eager")
+    mixed, eager = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    first = compiled if prefill == "compiled" else model
+    with torch.no_grad():
+        got = first(input_ids=_prompt(), **{CACHE_KWARG: mixed}, use_cache=True).logits
+        want = model(input_ids=_prompt(), **{CACHE_KWARG: eager}, use_cache=True).logits
+        torch.testing.assert_close(got, want)
+        for step, forward in enumerate([compiled, compiled, model, model, compiled, model]):
+            token = want[:, -1:].argmax(-1)
+            got, want = _step(forward, mixed, token, step), _step(model, eager, token, step)
+            torch.testing.assert_close(got, want, msg=lambda m, step=step: f"step {step}: {m}")

@@ -13,7 +13,7 @@ from conftest import MAX_POSITIONS, VOCAB, make_model, tiny_config
 from transformers import BertConfig, BertLMHeadModel, DynamicCache, GPT2LMHeadModel
 
 import hf_posswap as ps
-from hf_posswap.core import rotary_cache
+from hf_posswap.core import rotary_cache, rotation
 from hf_posswap.errors import InvalidConfigError
 
 
@@ -255,7 +255,7 @@ def test_rotation_matrices_equal_the_formula(rotary_dim: int, dtype: torch.dtype
     freqs = torch.arange(5.0)[:, None] * inv_freq
     cos, sin = torch.cat((freqs, freqs), -1).cos().to(dtype), torch.cat((freqs, freqs), -1).sin().to(dtype)
     x = torch.randn(2, 3, 5, 16).to(dtype)  # [B, H, positions, D]
-    matrices = rotary_cache._rotation_matrices(cos, sin, 16)  # [5, 16, 16]
+    matrices = rotation.rotation_matrices(cos, sin, 16)  # [5, 16, 16]
     rotated = torch.einsum("bhpd,pde->bhpe", x, matrices)
     expected, _ = apply_rotary_pos_emb(x[..., :rotary_dim], x[..., :rotary_dim], cos[None], sin[None])
     tolerance = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}

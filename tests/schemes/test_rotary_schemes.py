@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo
 from conftest import CAUSAL_FAMILIES, FAMILIES, MAX_POSITIONS, VOCAB, make_model, swapped
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -155,6 +156,21 @@ def test_xpos_refuses_a_span_past_float32s_range() -> None:
         assert torch.isfinite(cos * 1e3).all() and torch.isfinite(sin * 1e3).all()  # headroom for |k| up to 1e3
     with pytest.raises(InvalidConfigError, match=r"xPos with scale_base=16 .* swap with XposConfig\(scale_base>="):
         module(torch.arange(span + 2))
+
+
+def test_compiled_xpos_checks_its_span_inside_the_graph() -> None:
+    """Compiled (one graph: no host read of the positions), the limit is the eager one and a longer span is still
+    refused, with the fix named."""
+    module = XposEmbedding(10_000.0, 64, 16.0)
+    span = xpos_max_span(64, 16.0)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda positions: module(positions, keys=True), backend="eager", fullgraph=True)
+    try:
+        torch.testing.assert_close(compiled(torch.arange(span + 1)), module(torch.arange(span + 1), keys=True))
+        with pytest.raises(RuntimeError, match=rf"more than {span} tokens from the reference.*XposConfig\(scale_base"):
+            compiled(torch.arange(span + 2))
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("scale_base", [1e-6, 0.01])
