@@ -192,9 +192,8 @@ class AbsolutePositions(nn.Module):
 
 
 class RotaryPositions(nn.Module):
-    """forward: (positions [P] or per-row [B, P], current sequence length) -> (cos, sin), each [P, rotary_dim]
-    (per-row: [B, P, rotary_dim]), rotate-half layout. A scheme that scales queries and keys differently (xPos:
-    ``scales_keys``) also takes ``keys`` and the ``reference`` position both count from.
+    """forward: (positions [P] or [B, P], current sequence length) -> (cos, sin), each [(B,) P, rotary_dim],
+    rotate-half layout; xPos (``scales_keys``) also takes ``keys`` and the ``reference`` both count from.
 
     Scheme modules are always *called* (never a method looked up on them), so wrappers such as peft's
     ``ModulesToSaveWrapper`` dispatch to the trained copy.
