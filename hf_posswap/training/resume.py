@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PosSwapError
+from ..persistence.saving import write_file_atomic
 from .config import RESUME_SAFE, RUN_CONTROL, FinetuneConfig
 from .guards import previous_run_files
 from .run_checkpoints import (
@@ -23,7 +24,6 @@ from .run_checkpoints import (
     TrainingCheckpointError,
     checkpoints_newest_first,
     has_checkpoint_dirs,
-    write_text_atomic,
 )
 
 CONFIG_FILE = "finetune_config.json"
@@ -101,7 +101,7 @@ def record_settings(output: Path, config: FinetuneConfig, changes: dict[str, tup
     record = _anchored(dataclasses.asdict(config))
     if history:
         record[HISTORY_KEY] = history
-    write_text_atomic(output / CONFIG_FILE, json.dumps(record, indent=2))
+    write_file_atomic(output / CONFIG_FILE, json.dumps(record, indent=2))
 
 
 def truncate_loss_log(output: Path, step: int) -> None:
@@ -118,7 +118,7 @@ def truncate_loss_log(output: Path, step: int) -> None:
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
             kept.append(line)
-    write_text_atomic(path, "".join(f"{line}\n" for line in kept))
+    write_file_atomic(path, "".join(f"{line}\n" for line in kept))
 
 
 def logged_loss(output: Path, step: int) -> float:

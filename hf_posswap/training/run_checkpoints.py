@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PosSwapError, one_line
+from ..persistence.saving import write_file_atomic
 
 if TYPE_CHECKING:
     from .config import FinetuneConfig
@@ -44,13 +45,6 @@ class TrainingCheckpointError(PosSwapError, ValueError):
     """A checkpoint of a run that cannot be resumed (missing or corrupt files)."""
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` beside ``path``, then rename it into place."""
-    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    staging.write_text(text, encoding="utf-8")
-    os.replace(staging, path)
-
-
 def staging_dir(output: Path, step: int) -> Path:
     return output / CHECKPOINTS / f".staging-step-{step}"
 
@@ -58,12 +52,12 @@ def staging_dir(output: Path, step: int) -> Path:
 def publish_checkpoint(output: Path, step: int, trainer_state: dict[str, Any], keep: int = 2) -> Path:
     """Move a fully written staging directory into place, point ``latest`` at it, drop old checkpoints."""
     staging = staging_dir(output, step)
-    write_text_atomic(staging / STATE_FILE, json.dumps(trainer_state))
+    write_file_atomic(staging / STATE_FILE, json.dumps(trainer_state))
     final = output / CHECKPOINTS / f"step-{step}"
     if final.exists():
         shutil.rmtree(final)
     os.replace(staging, final)
-    write_text_atomic(output / CHECKPOINTS / LATEST, final.name)
+    write_file_atomic(output / CHECKPOINTS / LATEST, final.name)
     finished = sorted(_step_dirs(output), key=_step_number)
     for old in finished[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
