@@ -223,6 +223,8 @@ def chunked_self_extend(
     batch, heads, q_len, _ = query.shape
     kv_len = key.shape[2]
     rows_per_chunk = chunk or chunk_size(batch, heads, kv_len)
+    if torch.compiler.is_compiling() and q_len <= rows_per_chunk:
+        rows_per_chunk = q_len  # one chunk; compiled, a step over chunks would fix the cache's length in the guards
     output = query.new_empty(batch, q_len, heads, value.shape[-1])
     weights = query.new_zeros(batch, heads, q_len, kv_len) if keep_weights else None
     for start in range(0, q_len, rows_per_chunk):
@@ -295,8 +297,8 @@ def _visible_end(call: _Call, order: torch.Tensor) -> int:
     ``order`` [c, kv]) get weight exactly 0, so they are skipped (only when each query sees at least one key, so no
     row's softmax changes)."""
     kv_len = order.shape[-1]
-    if not call.causal or call.attention_mask is not None:
-        return kv_len
+    if not call.causal or call.attention_mask is not None or torch.compiler.is_compiling():
+        return kv_len  # compiled: no data-dependent length (a graph break); the causal mask zeroes the same keys
     visible = order >= 0
     if not bool(visible.any(-1).all()):
         return kv_len
@@ -326,11 +328,15 @@ def _scores(call: _Call, rows: slice, use_grouped: torch.Tensor) -> torch.Tensor
     query = call.query[:, :, rows]
     query_pos = call.query_pos[..., rows]
     near_query = apply_rotary(query, *call.rotary(query_pos))
-    if not bool(use_grouped.any()):
+    compiling = torch.compiler.is_compiling()  # no shortcut read off the data: each would break the graph
+    if not compiling and not bool(use_grouped.any()):
         return call.logits(near_query, call.near_keys[:, :, :end])
     window = call.settings.window
     far_query_pos = far_positions(query_pos, call.settings) + (window - far_positions(window, call.settings))
     far_query = apply_rotary(query, *call.rotary(far_query_pos))
+    if compiling:
+        far = call.logits(far_query, call.far_keys[:, :, :end])
+        return torch.where(use_grouped, far, call.logits(near_query, call.near_keys[:, :, :end]))
     all_grouped = use_grouped.flatten(0, 2).all(0)  # [n]: keys every query of the chunk groups
     split = end if bool(all_grouped.all()) else int(all_grouped.logical_not().int().argmax())
     if split == end:
