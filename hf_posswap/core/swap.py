@@ -35,7 +35,7 @@ from ..families.base import FamilyAdapter, get_family
 from ..schemes.base import SCHEME_REGISTRY, ModelSpec, NativeWeightsMissingWarning, SchemeConfig
 from ..schemes.mix import LayerMix
 from ..schemes.rope import RopeConfig
-from ..schemes.two_pass import SelfExtend, TwoPassSettings
+from ..schemes.two_pass import TwoPassScaling, TwoPassSettings
 from ..transformers_internals import attention_implementation
 from .attention import CARRIERS, register_attention_functions
 from .context import POSITIONS_ATTR, PositionForward, PositionInputs
@@ -329,9 +329,9 @@ def _config_class_edit(config: Any) -> Edit:
 
 
 def _two_pass_settings(config: SchemeConfig) -> TwoPassSettings | None:
-    """Two-pass attention settings of Self-Extend and ReRoPE (a SelfExtend subclass), or None for other schemes."""
+    """Two-pass attention settings of Self-Extend and ReRoPE, or None for other schemes."""
     scaling = getattr(config, "scaling", None)
-    return scaling.attention_settings() if isinstance(scaling, SelfExtend) else None
+    return scaling.attention_settings() if isinstance(scaling, TwoPassScaling) else None
 
 
 def _short(module: nn.Module) -> str:

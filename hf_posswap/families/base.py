@@ -17,7 +17,7 @@ from ..errors import UnsupportedFamilyError
 from ..registry import Registry
 from ..schemes.base import ModelSpec, NoPositions
 from ..schemes.rope import RopeConfig
-from ..schemes.two_pass import SelfExtend
+from ..schemes.two_pass import TwoPassScaling
 from ..transformers_internals import ROPE_PARAMETERS, config_rope_parameters
 
 
@@ -233,7 +233,7 @@ def native_partial_rope_edits(
     and whose rotary class reads ``rope_parameters["partial_rotary_factor"]`` (Phi-3, GPT-NeoX). ``None`` when the
     family cannot express ``config``: Self-Extend (needs unrotated cached keys), a rope type outside ``rope_types``,
     or an odd rotated width (transformers would round it up, hf_posswap rounds it down)."""
-    if isinstance(config.scaling, SelfExtend):
+    if isinstance(config.scaling, TwoPassScaling):
         return None
     if int(head_dim * config.partial_rotary_factor) % 2:
         return None

@@ -23,7 +23,7 @@ from torch import nn
 from ..edits import Edit
 from ..schemes.base import ModelSpec
 from ..schemes.rope import RopeConfig
-from ..schemes.two_pass import SelfExtend
+from ..schemes.two_pass import TwoPassScaling
 from ..transformers_internals import config_rope_parameters
 from .base import FamilyAdapter, rebuild_rotary_edits, register_family
 
@@ -45,7 +45,7 @@ class Gemma3Adapter(FamilyAdapter):
         return dataclasses.replace(super().spec(model), native_rope_theta=theta)
 
     def native_rope_edits(self, model: nn.Module, config: RopeConfig) -> list[Edit] | None:
-        if config.partial_rotary_factor != 1.0 or isinstance(config.scaling, SelfExtend):
+        if config.partial_rotary_factor != 1.0 or isinstance(config.scaling, TwoPassScaling):
             return None  # Gemma 3's rotary class rotates whole heads; Self-Extend needs unrotated cached keys
         current = config_rope_parameters(model.config)
         new = config.rope_parameters(self.spec(model).head_dim)

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..edits import Edit
 from ..schemes.rope import RopeConfig
-from ..schemes.two_pass import SelfExtend
+from ..schemes.two_pass import TwoPassScaling
 from ..transformers_internals import config_rope_parameters
 from .base import FamilyAdapter, rebuild_rotary_edits, register_family
 
@@ -29,7 +29,7 @@ class LlamaAdapter(FamilyAdapter):
     def native_rope_edits(self, model: nn.Module, config: RopeConfig) -> list[Edit] | None:
         if not config.rotates_full_head:
             return None  # LLaMA's apply_rotary_pos_emb rotates whole heads; partial RoPE goes in attention
-        if isinstance(config.scaling, SelfExtend):
+        if isinstance(config.scaling, TwoPassScaling):
             return None  # grouped positions need unrotated cached keys: RoPE goes in attention
         rope_parameters = config.rope_parameters(self.spec(model).head_dim)
         return rebuild_rotary_edits(model, self.base_model(model), rope_parameters)

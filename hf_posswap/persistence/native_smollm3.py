@@ -30,7 +30,7 @@ from ..errors import InvalidConfigError
 from ..schemes.base import SchemeConfig
 from ..schemes.nope import NoPEConfig
 from ..schemes.rope import RopeConfig
-from ..schemes.two_pass import SelfExtend
+from ..schemes.two_pass import TwoPassScaling
 from ..transformers_internals import attention_implementation, config_rope_parameters, set_config_attention
 
 TARGET = "smollm3"
@@ -156,7 +156,7 @@ def _expressible(part: SchemeConfig) -> bool:
     if type(part) is NoPEConfig:
         return part.to_dict() == {"scheme": "none"}
     if type(part) is RopeConfig:
-        return part.partial_rotary_factor == 1.0 and not isinstance(part.scaling, SelfExtend)
+        return part.partial_rotary_factor == 1.0 and not isinstance(part.scaling, TwoPassScaling)
     return False
 
 

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..errors import InvalidConfigError, InvalidOptionError
+from ..errors import InvalidConfigError
 from .base import require_bool, require_int_at_least, require_positive
 from .rope_scaling import RopeScaling, register_scaling
 
@@ -41,9 +41,22 @@ def _default_window(window: int | None, original: int, name: str, field: str) ->
     return window
 
 
+@dataclass
+class TwoPassScaling(RopeScaling):
+    """A RoPE scaling run as two-pass attention (:mod:`hf_posswap.core.self_extend`): plain RoPE parameters, with
+    RoPE applied inside attention, and the :class:`TwoPassSettings` the attention reads."""
+
+    def rope_parameters(self, rope_theta: float, rotary_dim: int) -> dict[str, Any]:
+        return {"rope_type": "default", "rope_theta": rope_theta}
+
+    def attention_settings(self) -> TwoPassSettings:
+        """The (group, window, start) of the two passes, once the original length is set."""
+        raise NotImplementedError
+
+
 @register_scaling
 @dataclass
-class SelfExtend(RopeScaling):
+class SelfExtend(TwoPassScaling):
     """Self-Extend (Jin et al. 2024, "LLM Maybe LongLM", arXiv:2401.01325): training-free grouped attention.
 
     As the authors' code does (github.com/datamllab/LongLM, ``self_extend_patch/Llama_4_40.py``): for query i and
@@ -99,9 +112,6 @@ class SelfExtend(RopeScaling):
             )
         return dataclasses.replace(scaled, group_size=group, neighbor_window=window)
 
-    def rope_parameters(self, rope_theta: float, rotary_dim: int) -> dict[str, Any]:
-        return {"rope_type": "default", "rope_theta": rope_theta}
-
     def attention_settings(self) -> TwoPassSettings:
         """Grouped positions floor(p / G) past the window, from length W on (the authors' rule), or only for queries
         past the original length with ``exact_within_original``."""
@@ -109,20 +119,17 @@ class SelfExtend(RopeScaling):
         return TwoPassSettings(self.group_size, self.neighbor_window, start)  # type: ignore[arg-type]
 
 
-#: SelfExtend's fields that ReRoPE (a subclass for its two-pass attention) does not have
-SELF_EXTEND_ONLY = ("group_size", "neighbor_window", "exact_within_original")
-
-
 @register_scaling
 @dataclass
-class ReRoPE(SelfExtend):
+class ReRoPE(TwoPassScaling):
     """ReRoPE (Su 2023, "Rectified Rotary Position Embeddings", github.com/bojone/rerope, kexue.fm/archives/9708).
 
     Relative distances d < ``window`` are exact; farther keys all sit at distance w (queries rotated to position w
     against unrotated keys). Leaky ReRoPE (``leaky_factor`` k): w + (d - w) / k beyond the window, reaching
     (L0 - w) * k + w tokens. Self-Extend's two-pass attention with an infinite group (leaky: group k, no floor).
     As in the reference, it acts at every length (inputs no longer than ``window`` are unchanged); RoPE goes
-    inside attention, cached keys unrotated.
+    inside attention, cached keys unrotated. Self-Extend's options (``group_size``, ``neighbor_window``,
+    ``exact_within_original``) are not ReRoPE's: naming one is refused with ReRoPE's options listed.
 
     Args:
         window: w; ``None`` uses a quarter of the original length (the reference's ReRoPE-w1024 on 4k LLaMA 2).
@@ -136,17 +143,8 @@ class ReRoPE(SelfExtend):
     window: int | None = None
     leaky_factor: float | None = None
 
-    @classmethod
-    def option_names(cls) -> list[str]:
-        return [name for name in super().option_names() if name not in SELF_EXTEND_ONLY]
-
     def validate(self) -> None:
-        RopeScaling.validate(self)
-        if self.group_size is not None or self.neighbor_window is not None or self.exact_within_original is not False:
-            raise InvalidOptionError(
-                f"ReRoPE has no {', '.join(SELF_EXTEND_ONLY[:-1])} or {SELF_EXTEND_ONLY[-1]} (those are "
-                f"Self-Extend's); its options are {', '.join(self.option_names())}."
-            )
+        super().validate()
         if self.window is not None:
             require_int_at_least("ReRoPE", "window", self.window, 1)
         if self.leaky_factor is not None:
@@ -158,21 +156,18 @@ class ReRoPE(SelfExtend):
                 )
 
     def with_original(self, original: int) -> ReRoPE:
-        scaled = RopeScaling.with_original(self, original)
+        scaled = super().with_original(original)
         original = scaled.original_max_position_embeddings  # type: ignore[assignment]
-        window = _default_window(scaled.window, original, "ReRoPE", "window")  # type: ignore[attr-defined]
+        window = _default_window(scaled.window, original, "ReRoPE", "window")
         target = math.ceil(scaled.factor * original)
-        leak = scaled.leaky_factor  # type: ignore[attr-defined]
+        leak = scaled.leaky_factor
         if leak is not None and (original - window) * leak + window < target:
             raise InvalidConfigError(
                 f"Leaky ReRoPE with leaky_factor={leak} and window={window} reaches "
                 f"{math.floor((original - window) * leak + window)} tokens, short of {target}; use leaky_factor >= "
                 f"{(target - window) / (original - window):g}."
             )
-        return dataclasses.replace(scaled, window=window)  # type: ignore[return-value]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"method": self.method, **{name: getattr(self, name) for name in self.option_names()}}
+        return dataclasses.replace(scaled, window=window)
 
     def attention_settings(self) -> TwoPassSettings:
         """Far keys unrotated (leaky: at p / k), far queries at w (leaky: p / k + w - w / k), at every length."""

@@ -335,9 +335,10 @@ def test_bad_options_are_refused_before_any_edit(name: str) -> None:
 
 def test_configs_refuse_self_extend_fields_and_list_their_own() -> None:
     for field, value in (("neighbor_window", 8), ("exact_within_original", True)):
-        with pytest.raises(ps.InvalidOptionError, match=r"ReRoPE has no group_size, neighbor_window or "
-                           r"exact_within_original \(those are Self-Extend's\)"):
-            ReRoPE(**{field: value})
+        with pytest.raises(ps.InvalidOptionError, match=rf"'rerope' \(ReRoPE\) has no option '{field}'. Its options "
+                           r"are: factor, original_max_position_embeddings, window, leaky_factor"):
+            ReRoPE.from_options(**{field: value})
+        assert not hasattr(ReRoPE(), field)
     assert ReRoPE.option_names() == ["factor", "original_max_position_embeddings", "window", "leaky_factor"]
     assert "rerope" in ps.available_extension_methods()
     settings = ReRoPE(leaky_factor=3.0).with_original(64).attention_settings()
