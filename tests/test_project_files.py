@@ -1,6 +1,6 @@
 """Files a newcomer relies on: the LICENSE matches pyproject, examples/README.md lists every example, every dotted
-``hf_posswap.<module>.<name>`` the text mentions exists, and the README's line that prints where the offline checkpoints
-live works."""
+``hf_posswap.<module>.<name>`` the text mentions exists, docs/architecture.md places every attention path and core
+module, and the README's line that prints where the offline checkpoints live works."""
 
 from __future__ import annotations
 
@@ -81,6 +81,16 @@ def test_architecture_page_lists_every_attention_path() -> None:
     listed = {name for row in table.splitlines()[2:] for name in re.findall(r"`([a-z0-9-]+)`", row.split(" | ")[0])}
     assert listed == recorded
 
+
+
+def test_architecture_page_places_every_core_module() -> None:
+    """docs/architecture.md's table of core/ modules names each module of hf_posswap/core, and no other, so a
+    module added there gets a line a newcomer finds."""
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = page[page.index("| concern | modules |"):].split("\n\n")[0]
+    listed = set(re.findall(r"`([a-z_]+\.py)`", table))
+    modules = {path.name for path in (ROOT / "hf_posswap" / "core").glob("*.py")} - {"__init__.py"}
+    assert listed == modules, f"not listed: {sorted(modules - listed)}; no such module: {sorted(listed - modules)}"
 
 @pytest.mark.slow
 def test_readme_command_prints_where_the_offline_checkpoints_live() -> None:
