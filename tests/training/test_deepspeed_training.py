@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -146,10 +147,28 @@ def _kill_while_saving(root: Path) -> None:
     (root / f"{KILLED}-before-resume.json").write_text(json.dumps(files))
 
 
+#: DeepSpeed's CPU communication op, compiled by torch's extension loader in the first process that starts DeepSpeed
+SHM_OP = "deepspeed_shm_comm"
+#: a build lock older than this is stale: the build takes about a minute, and a run killed while building leaves its
+#: lock behind, which makes every later DeepSpeed start wait for it forever
+STALE_LOCK_SECONDS = 900
+
+
+def _refuse_a_stale_build_lock() -> None:
+    """Fail at once, naming the file, where a killed build left torch's lock on DeepSpeed's op (a hang otherwise)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(SHM_OP, verbose=False)) / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+        pytest.fail(f"{lock} is a stale build lock (a build of {SHM_OP} was killed, and DeepSpeed would wait for it "
+                    "forever); delete it and run again", pytrace=False)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     if torch.cuda.is_available() and torch.cuda.device_count() < WORLD:  # DeepSpeed then takes a GPU per process
         pytest.skip(f"needs {WORLD} GPUs, or none (DeepSpeed's CPU accelerator over gloo)")
+    _refuse_a_stale_build_lock()
     return run_again_if_killed(_train, tmp_path_factory.mktemp("zero3"))
 
 
