@@ -311,9 +311,10 @@ def refuses(family: str | None, scheme: str | None) -> bool:
     return bool(getattr(SCHEME_REGISTRY.get(scheme), "causal_only", False))
 
 
-#: the test files that take longest in the whole suite, longest first (seconds on 2 cores, one torch thread each):
-#: they run first, so that under pytest-xdist's ``--dist loadfile`` no worker starts a long file while the other
-#: has nothing left (scripts/test.sh turns off xdist's own order, which puts files with most tests first)
+#: the test files that take longest in the whole suite, roughly longest first (seconds on 2 cores, one torch
+#: thread each; the ZeRO-3 file first: its first test holds the whole file's spawns). They run first, so that under
+#: pytest-xdist's ``--dist loadfile`` no worker starts a long file while the other has nothing left
+#: (scripts/test.sh turns off xdist's own order, which puts files with most tests first)
 LONGEST_FILES = (
     "training/test_deepspeed_training.py",  # about 200
     "core/test_compiled_decoding.py",  # 390
@@ -338,7 +339,7 @@ def _longest_first(items: list[pytest.Item]) -> None:
     if missing:
         raise pytest.UsageError(f"tests/conftest.py LONGEST_FILES names files that do not exist: {missing}")
     rank = {TESTS / name: index for index, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path, len(rank)))
+    items.sort(key=lambda item: rank.get(item.path.resolve(), len(rank)))
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects

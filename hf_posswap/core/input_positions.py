@@ -141,8 +141,12 @@ def row_shifts(kwargs: dict[str, Any], query_offset: int) -> torch.Tensor | None
 
 
 def padded_positions(mask: Any) -> torch.Tensor | None:
-    """Positions [B, T] that skip padding (0 on pads), from a 2D attention mask with padding; else None."""
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool(mask.all()):
+    """Positions [B, T] that skip padding (0 on pads), from a 2D attention mask with padding; else None. Compiled,
+    a mask without padding gives its positions too (the token indices, per row): telling it apart would read the
+    tensor (a graph break)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return None
+    if not torch.compiler.is_compiling() and bool(mask.all()):
         return None
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 

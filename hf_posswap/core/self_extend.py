@@ -224,7 +224,7 @@ def chunked_self_extend(
     kv_len = key.shape[2]
     rows_per_chunk = chunk or chunk_size(batch, heads, kv_len)
     if torch.compiler.is_compiling() and q_len <= rows_per_chunk:
-        rows_per_chunk = q_len  # one chunk; compiled, a step over chunks would fix the cache's length in the guards
+        rows_per_chunk = max(q_len, 1)  # one chunk; compiled, a step over chunks would fix the cache's length in guards
     output = query.new_empty(batch, q_len, heads, value.shape[-1])
     weights = query.new_zeros(batch, heads, q_len, kv_len) if keep_weights else None
     for start in range(0, q_len, rows_per_chunk):

@@ -111,6 +111,31 @@ def test_decoding_compiles_to_one_graph_and_never_recompiles(family: str, scheme
     _compiled_against_eager(family, scheme, fullgraph=True)
 
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["self_extend", "rerope"])
+def test_two_pass_decoding_with_an_attention_mask_compiles_to_one_graph(scheme: str) -> None:
+    """``generate``'s way: a 2-D attention mask at every step, over a left-padded batch. The rows' positions then
+    come from the mask, which compiled is read without asking whether it pads (a graph break)."""
+    model = _model("llama", scheme)
+    compiled = torch.compile(model.forward, backend="eager", fullgraph=True)
+    ids = torch.randint(3, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # row 0 left-padded
+    caches = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    with torch.no_grad():
+        got = compiled(input_ids=ids, attention_mask=mask, **{CACHE_KWARG: caches[0]}, use_cache=True).logits
+        want = model(input_ids=ids, attention_mask=mask, **{CACHE_KWARG: caches[1]}, use_cache=True).logits
+        torch.testing.assert_close(got[0, 3:], want[0, 3:])
+        torch.testing.assert_close(got[1], want[1])
+        for step in range(6):
+            token = want[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+            with torch._dynamo.config.patch(error_on_recompile=step >= 3):
+                got = compiled(input_ids=token, attention_mask=mask, **{CACHE_KWARG: caches[0]}, use_cache=True).logits
+            want = model(input_ids=token, attention_mask=mask, **{CACHE_KWARG: caches[1]}, use_cache=True).logits
+            torch.testing.assert_close(got, want, msg=lambda m, step=step: f"step {step}: {m}")
+
 def _generate(model: torch.nn.Module, new_tokens: int, compiled: bool) -> torch.Tensor:
     settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                     cache_implementation="static")

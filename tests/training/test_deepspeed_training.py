@@ -155,13 +155,20 @@ STALE_LOCK_SECONDS = 900
 
 
 def _refuse_a_stale_build_lock() -> None:
-    """Fail at once, naming the file, where a killed build left torch's lock on DeepSpeed's op (a hang otherwise)."""
-    from torch.utils.cpp_extension import _get_build_directory
+    """Fail at once, naming the file, where a killed build left torch's lock on DeepSpeed's op (a hang otherwise).
+    Looked up where torch's extension loader builds (``TORCH_EXTENSIONS_DIR``, else its default root), creating
+    nothing."""
+    from torch.utils.cpp_extension import get_default_build_root
 
-    lock = Path(_get_build_directory(SHM_OP, verbose=False)) / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-        pytest.fail(f"{lock} is a stale build lock (a build of {SHM_OP} was killed, and DeepSpeed would wait for it "
-                    "forever); delete it and run again", pytrace=False)
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    for lock in root.glob(f"*/{SHM_OP}/lock"):
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:  # a build elsewhere just finished
+            continue
+        if age > STALE_LOCK_SECONDS:
+            pytest.fail(f"{lock} is a stale build lock (a build of {SHM_OP} was killed, and DeepSpeed would wait for "
+                        "it forever); delete it and run again", pytrace=False)
 
 
 @pytest.fixture(scope="module")
