@@ -4,9 +4,8 @@
 #
 # The suite runs in POSSWAP_TEST_WORKERS pytest-xdist workers (default 2, CI's cores; 0 runs it in this process, for
 # pdb or -s), each given whole test files (module fixtures such as the ZeRO-3 set-up run once) and one torch thread
-# (two workers of two threads each on two cores would fight over them), the longest files first (tests/conftest.py
-# LONGEST_FILES; xdist's own order, most tests first, is turned off), so no worker ends alone on a long file. Most
-# tests are tiny models, where Python's overhead outweighs the arithmetic.
+# (two workers of two threads each on two cores would fight over them). Most tests are tiny models, where Python's
+# overhead outweighs the arithmetic.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -15,4 +14,4 @@ workers="${POSSWAP_TEST_WORKERS:-2}"
 if [ "$workers" != 0 ]; then
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fi
-.venv/bin/python -m pytest -m "slow or not slow" -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
+.venv/bin/python -m pytest -m "slow or not slow" -n "$workers" --dist loadfile "$@"

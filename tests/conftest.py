@@ -311,42 +311,9 @@ def refuses(family: str | None, scheme: str | None) -> bool:
     return bool(getattr(SCHEME_REGISTRY.get(scheme), "causal_only", False))
 
 
-#: the test files that take longest in the whole suite, roughly longest first (seconds on 2 cores, one torch
-#: thread each; the ZeRO-3 file first: its first test holds the whole file's spawns). They run first, so that under
-#: pytest-xdist's ``--dist loadfile`` no worker starts a long file while the other has nothing left
-#: (scripts/test.sh turns off xdist's own order, which puts files with most tests first)
-LONGEST_FILES = (
-    "training/test_deepspeed_training.py",  # about 200
-    "core/test_compiled_decoding.py",  # 390
-    "families/test_real_checkpoints.py",  # 210
-    "training/test_finetune.py",  # 155
-    "scripts/test_gpu_check_script.py",  # 90
-    "training/test_sharded_training.py",  # 80
-    "schemes/test_fused_bf16.py",  # 80
-    "evaluation/test_evaluation.py",  # 78
-    "test_readme.py",  # 76
-    "persistence/test_export.py",  # 72
-    "core/test_flex_bias_models.py",  # 69
-    "scripts/test_bench_tiny_command.py",  # 65
-    "training/test_accelerate_fsdp.py",  # 62
-)
-
-
-def _longest_first(items: list[pytest.Item]) -> None:
-    """Reorder ``items`` in place: the files of :data:`LONGEST_FILES` first, in its order, then the rest as
-    collected (each file's tests stay together and in order)."""
-    missing = [name for name in LONGEST_FILES if not (TESTS / name).is_file()]
-    if missing:
-        raise pytest.UsageError(f"tests/conftest.py LONGEST_FILES names files that do not exist: {missing}")
-    rank = {TESTS / name: index for index, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.resolve(), len(rank)))
-
-
 @pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark slow the matrix ids that ``FAST_SUBSET`` leaves out of the default run; skip pairs ``swap`` refuses; run
-    the longest files first."""
-    _longest_first(items)
+    """Mark slow the matrix ids that ``FAST_SUBSET`` leaves out of the default run; skip pairs ``swap`` refuses."""
     seen: dict[str, set[str]] = {}
     for item in items:
         callspec = getattr(item, "callspec", None)

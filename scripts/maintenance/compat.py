@@ -250,7 +250,7 @@ def fast_suite(venv: Path, log: Path, missing: Sequence[str] = ()) -> dict[str, 
         threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if workers != "0" else {}
         env = {**environment(venv, missing), **threads}
         run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-             "-n", workers, "--dist", "loadfile", "--no-loadscope-reorder", *deselect], log, cwd=ROOT, env=env)
+             "-n", workers, "--dist", "loadfile", *deselect], log, cwd=ROOT, env=env)
         suite = ElementTree.parse(report).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     total, failures, errors, skipped = (int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped"))
